@@ -1,0 +1,20 @@
+# mixquant: BF16 MoE checkpoint -> audited, KL-gated mixed-precision ModelOpt checkpoint.
+# Every output lives under results/<stage>/<key>/, keyed by the SHA-256 of what it depends on.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/calibration.smk"
+include: "workflow/rules/prompt.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets,

@@ -1,0 +1,97 @@
+"""Model sources: local directory identity/records, pinned Hub revisions, artifact resolution."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+from mixquant.model import fetch
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / ".git").mkdir()
+    (src / "config.json").write_text('{"model_type": "laguna"}')
+    (src / "model-00001-of-00001.safetensors").write_bytes(b"\x00" * 1000)
+    (src / "sub" / "b.txt").write_text("b")
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    return src
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_local_dir_identity(model_dir):
+    identity = fetch.local_dir_identity(model_dir)
+    assert list(identity) == ["config.json", "model-00001-of-00001.safetensors", "sub/b.txt"]
+    assert identity["sub/b.txt"] == {"sha256": sha(b"b"), "size": 1}
+    assert identity["model-00001-of-00001.safetensors"] == {"sha256": sha(b"\x00" * 1000), "size": 1000}
+
+
+def test_identity_cache_avoids_rehash_and_sees_changes(model_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = fetch.local_dir_identity(model_dir, cache_dir=cache)
+    assert (cache / fetch.HASH_CACHE_FILE).is_file()
+    calls = []
+    real = fetch.file_sha256
+    monkeypatch.setattr(fetch, "file_sha256", lambda p: calls.append(p) or real(p))
+    assert fetch.local_dir_identity(model_dir, cache_dir=cache) == first
+    assert calls == []
+    # a change in size/mtime gives a new cache key: only that file is rehashed
+    target = model_dir / "sub" / "b.txt"
+    target.write_text("bb")
+    os.utime(target, ns=(1, 1))
+    changed = fetch.local_dir_identity(model_dir, cache_dir=cache)
+    assert [p.name for p in calls] == ["b.txt"]
+    assert changed["sub/b.txt"] == {"sha256": sha(b"bb"), "size": 2}
+    assert fetch.identity_sha256(changed) != fetch.identity_sha256(first)
+
+
+def test_corrupt_cache_is_ignored(model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / fetch.HASH_CACHE_FILE).write_text("not json")
+    assert fetch.local_dir_identity(model_dir, cache_dir=cache) == fetch.local_dir_identity(model_dir)
+
+
+def test_fetch_local_model_records_source(model_dir, tmp_path):
+    out = tmp_path / "artifact"
+    source = fetch.fetch_local_model(model_dir, out)
+    on_disk = json.loads((out / fetch.SOURCE_FILE).read_text())
+    assert on_disk == source
+    assert source["kind"] == "local" and source["path"] == str(model_dir.resolve())
+    assert source["files"] == fetch.local_dir_identity(model_dir)
+    assert fetch.resolve_model_dir(out) == model_dir.resolve()
+
+
+def test_fetch_local_requires_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        fetch.fetch_local_model(tmp_path / "empty", tmp_path / "out")
+
+
+def test_resolve_model_dir_toy_artifact_is_itself(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert fetch.resolve_model_dir(tmp_path) == tmp_path
+
+
+def test_resolve_model_dir_missing(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        fetch.resolve_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.0", "abc123", "A" * 40, "0" * 39, "0" * 41, None, 5])
+def test_hub_refuses_unpinned_revision(tmp_path, revision):
+    with pytest.raises(ValueError, match="40-hex") as info:
+        fetch.fetch_hub_model("poolside/laguna-XS.2", revision, tmp_path)
+    assert "\n" not in str(info.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_pinned_revision_accepted():
+    assert fetch.require_pinned_revision("0123456789abcdef0123456789abcdef01234567")

@@ -1,0 +1,141 @@
+"""The default DAG for real: build + train the toy Laguna, sample calibration, pin the prompt.
+
+Then the cache behaviour DESIGN.md promises: a no-op rerun plans nothing; a changed knob reruns
+exactly its stage; reverting it reruns nothing and finds the earlier directory.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from mixquant.calibration.tokens import token_ids_sha256
+from mixquant.keys.manifest import read_manifest, verify_manifest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+
+def _dir(wd, paths, name) -> Path:
+    return wd.root / paths[name]["path"]
+
+
+def test_default_run_produces_complete_keyed_outputs(built_workdir):
+    wd = built_workdir
+    paths = wd.paths()
+    assert all(row["done"] for row in paths.values())
+    for name in ("model", "calibration", "prompt"):
+        directory = _dir(wd, paths, name)
+        assert directory.name == paths[name]["key"]
+        assert verify_manifest(directory) == []
+    assert not list((wd.root / "results").glob("*/.tmp-*"))
+
+    model = _dir(wd, paths, "model")
+    assert len(list(model.glob("model-*-of-*.safetensors"))) >= 2
+    report = read_manifest(model)["summary"]
+    vocab = report["vocab_size"]
+    assert report["heldout_eval"]["loss"] < 0.45 * math.log(vocab)
+
+    calibration = load_file(_dir(wd, paths, "calibration") / "calibration.safetensors")["input_ids"]
+    config = wd.config()
+    assert tuple(calibration.shape) == (
+        config["calibration"]["num_samples"],
+        config["calibration"]["seq_len"],
+    )
+    summary = read_manifest(_dir(wd, paths, "calibration"))["summary"]
+    assert summary["sha256"] == token_ids_sha256(calibration)
+
+    prompt = read_manifest(_dir(wd, paths, "prompt"))["summary"]
+    assert prompt["pin_status"] == "not pinned" and prompt["seq_len"] == config["prompt"]["seq_len"]
+
+
+def test_no_op_rerun_plans_nothing(built_workdir):
+    assert built_workdir.plan() == {}
+
+
+def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_old_dir(built_workdir):
+    wd = built_workdir
+    before = wd.paths()
+    old_dir = _dir(wd, before, "calibration")
+    old_manifest = (old_dir / "manifest.json").read_text()
+
+    config = wd.config()
+    config["calibration"]["num_samples"] = 16
+    changed = wd.write_config("config/fewer-samples.yaml", config)
+    assert wd.plan(changed) == {"sample_calibration": 1}
+    wd.snakemake("--configfile", changed)
+    after = wd.paths(changed)
+    assert after["model"] == before["model"] and after["prompt"] == before["prompt"]
+    new_dir = _dir(wd, after, "calibration")
+    assert new_dir != old_dir and new_dir.is_dir()
+
+    explanation = wd.mixquant("explain", str(old_dir), after["calibration"]["key"]).stdout
+    assert "config.calibration.num_samples: 64 -> 16" in explanation
+
+    assert wd.plan() == {}  # reverted: nothing to run
+    assert wd.paths()["calibration"]["path"] == before["calibration"]["path"]
+    assert (old_dir / "manifest.json").read_text() == old_manifest
+
+
+def test_calibration_is_deterministic_across_runs(built_workdir, tmp_path):
+    wd = built_workdir
+    paths = wd.paths()
+    config = wd.config()
+    config["results_dir"] = "results-again"
+    again = wd.write_config("config/again.yaml", config)
+    (wd.root / "results-again" / "build_toy_model").mkdir(parents=True)
+    (wd.root / "results-again" / "build_toy_model" / paths["model"]["key"]).symlink_to(
+        _dir(wd, paths, "model")
+    )
+    wd.mixquant("run", "sample_calibration", "--configfile", again)
+    wd.mixquant("run", "pin_prompt", "--configfile", again)
+    for name in ("calibration", "prompt"):
+        first = read_manifest(_dir(wd, paths, name))
+        second = read_manifest(wd.root / "results-again" / Path(paths[name]["path"]).relative_to("results"))
+        assert first["key"] == second["key"]
+        assert first["files"] == second["files"]
+
+
+def test_prompt_pin_mismatch_stops_with_both_hashes_and_leaves_nothing(built_workdir):
+    wd = built_workdir
+    actual = read_manifest(_dir(wd, wd.paths(), "prompt"))["summary"]["sha256"]
+    config = wd.config()
+    config["prompt"]["sha256"] = "0" * 64
+    wrong = wd.write_config("config/wrong-pin.yaml", config)
+    result = wd.snakemake("--configfile", wrong, check=False)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mixquant:")]
+    assert len(lines) == 1 and actual in lines[0] and "0" * 64 in lines[0], result.stderr
+    assert not (wd.root / wd.paths(wrong)["prompt"]["path"]).exists()
+    assert not list((wd.root / "results").glob("*/.tmp-*"))
+
+    config["prompt"]["sha256"] = actual
+    pinned = wd.write_config("config/right-pin.yaml", config)
+    wd.snakemake("--configfile", pinned)
+    summary = read_manifest(wd.root / wd.paths(pinned)["prompt"]["path"])["summary"]
+    assert summary["pin_status"] == "match" and summary["pinned_sha256"] == actual
+
+
+def test_local_model_directory_is_pinned_by_content(built_workdir):
+    wd = built_workdir
+    toy = wd.paths()
+    config = wd.config()
+    config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}}
+    local = wd.write_config("config/local.yaml", config)
+    assert wd.plan(local) == {"fetch_model": 1, "sample_calibration": 1, "pin_prompt": 1}
+    wd.snakemake("--configfile", local)
+    paths = wd.paths(local)
+    fetched = read_manifest(_dir(wd, paths, "model"))
+    shards = {
+        name: row
+        for name, row in fetched["preimage"]["config"]["files"].items()
+        if name.endswith(".safetensors")
+    }
+    toy_files = read_manifest(_dir(wd, toy, "model"))["files"]
+    assert shards and all(row["sha256"] == toy_files[name]["sha256"] for name, row in shards.items())
+    source = json.loads((_dir(wd, paths, "model") / "model_source.json").read_text())
+    assert source["kind"] == "local"
+    # Same tokenizer, same dataset: the same calibration tokens under a different key.
+    assert paths["calibration"]["key"] != toy["calibration"]["key"]
+    same = [read_manifest(_dir(wd, p, "calibration"))["summary"]["sha256"] for p in (paths, toy)]
+    assert same[0] == same[1]

@@ -1,0 +1,68 @@
+"""Planning without running: both configs plan, and bad configs fail with one line naming the key."""
+
+import pytest
+
+
+def test_default_config_plans_the_toy_dag(workdir):
+    assert workdir.plan() == {"build_toy_model": 1, "sample_calibration": 1, "pin_prompt": 1}
+
+
+def test_reference_config_plans_without_weights(workdir):
+    assert workdir.plan("config/laguna-s-2.1.yaml") == {
+        "fetch_model": 1,
+        "sample_calibration": 1,
+        "pin_prompt": 1,
+    }
+    paths = workdir.paths("config/laguna-s-2.1.yaml")
+    assert paths["model"]["path"].startswith("results/fetch_model/")
+    assert not any(row["done"] for row in paths.values())
+
+
+def test_reference_config_is_not_mixed_with_the_default(workdir):
+    # Snakemake merges --configfile over the Snakefile's default; mixquant uses the given file alone.
+    toy = workdir.paths()
+    real = workdir.paths("config/laguna-s-2.1.yaml")
+    assert toy["calibration"]["key"] != real["calibration"]["key"]
+    result = workdir.snakemake("-n", "--configfile", "config/laguna-s-2.1.yaml")
+    assert real["calibration"]["path"] in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda c: c["calibration"].update(num_sampels=3),
+            "unknown config key 'calibration.num_sampels'; did you mean 'calibration.num_samples'?",
+        ),
+        (lambda c: c["calibration"].update(num_samples="many"), "config key 'calibration.num_samples'"),
+        (lambda c: c.update(calibraton={}), "unknown config key 'calibraton'; did you mean 'calibration'?"),
+        (lambda c: c["dataset"]["local"].update(sha256="xyz"), "config key 'dataset.local.sha256'"),
+        (
+            lambda c: c["model"]["toy"]["arch"].update(hidden_sise=64),
+            "unknown config key 'model.toy.arch.hidden_sise'",
+        ),
+    ],
+)
+def test_bad_config_fails_with_one_line_naming_the_key(workdir, edit, expected):
+    config = workdir.config()
+    config["model"]["toy"].setdefault("arch", {})
+    edit(config)
+    name = workdir.write_config("config/bad.yaml", config)
+    result = workdir.snakemake("-n", "--configfile", name, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mixquant:")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+    cli = workdir.mixquant("paths", "--configfile", name, check=False)
+    assert cli.returncode == 2 and expected in cli.stderr and len(cli.stderr.strip().splitlines()) == 1
+
+
+def test_unpinned_real_model_is_refused_at_config_time_only_for_remote_code(workdir):
+    config = workdir.config("config/laguna-s-2.1.yaml")
+    config["model"]["hub"]["revision"] = None
+    config["model"]["trust_remote_code"] = True
+    name = workdir.write_config("config/unpinned.yaml", config)
+    result = workdir.mixquant("paths", "--configfile", name, check=False)
+    assert (
+        result.returncode == 2
+        and "trust_remote_code needs a hub source with a pinned revision" in result.stderr
+    )

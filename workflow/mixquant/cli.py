@@ -1,0 +1,261 @@
+"""The `mixquant` command: paths, explain, plan, run, schema."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from mixquant.config import ConfigError, MixquantConfig, load_config_file
+from mixquant.keys.hashing import is_sha256_hex
+from mixquant.keys.manifest import ManifestError, read_manifest
+
+DEFAULT_CONFIG = "config/config.yaml"
+
+
+def _load(args: argparse.Namespace) -> MixquantConfig:
+    return load_config_file(args.configfile)
+
+
+def _artifacts(cfg: MixquantConfig):
+    from mixquant.keys.artifacts import resolve_artifacts
+
+    return resolve_artifacts(cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes")
+
+
+# ------------------------------------------------------------------------------------------ paths
+
+
+def cmd_paths(args: argparse.Namespace) -> int:
+    artifacts = _artifacts(_load(args))
+    table = {
+        name: {"key": art.key, "path": str(art.path), "done": art.done, "stage": art.stage}
+        for name, art in artifacts.items()
+    }
+    if args.json:
+        print(json.dumps(table, indent=2))
+    else:
+        for name, row in table.items():
+            print(f"{name:12} {'done' if row['done'] else 'todo':4}  {row['path']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- explain
+
+
+def find_keyed_dir(ref: str, results_dir: str | Path) -> Path:
+    """A keyed output directory from a key (searched under results/*/) or a directory path."""
+    path = Path(ref)
+    if path.is_dir():
+        return path
+    if not is_sha256_hex(ref):
+        raise ValueError(f"{ref!r} is neither an output directory nor a 64-hex key")
+    matches = sorted(Path(results_dir).glob(f"*/{ref}"))
+    if not matches:
+        raise ValueError(f"no output directory with key {ref} under {results_dir}/")
+    return matches[0]
+
+
+def diff_values(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Leaf-level differences between two JSON values as (dotted path, a, b)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in a:
+                out.append((sub, "<absent>", b[key]))
+            elif key not in b:
+                out.append((sub, a[key], "<absent>"))
+            else:
+                out.extend(diff_values(a[key], b[key], sub))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for index, (left, right) in enumerate(zip(a, b, strict=True)):
+            out.extend(diff_values(left, right, f"{path}[{index}]"))
+        return out
+    return [] if a == b else [(path, a, b)]
+
+
+def explain(a_dir: Path, b_dir: Path, results_dir: str | Path, depth: int = 0) -> list[str]:
+    """Human-readable reasons why two keyed directories have different keys (recursing upstream)."""
+    pre_a, pre_b = read_manifest(a_dir)["preimage"], read_manifest(b_dir)["preimage"]
+    indent = "  " * depth
+    lines = []
+    if pre_a == pre_b:
+        return [f"{indent}identical preimages: same key"]
+    for where, left, right in diff_values(pre_a, pre_b):
+        lines.append(f"{indent}{where}: {json.dumps(left)} -> {json.dumps(right)}")
+        if where.startswith("upstream.") and is_sha256_hex(left) and is_sha256_hex(right):
+            try:
+                up_a, up_b = find_keyed_dir(left, results_dir), find_keyed_dir(right, results_dir)
+            except ValueError as error:
+                lines.append(f"{indent}  (cannot look further: {error})")
+                continue
+            lines.append(f"{indent}  because:")
+            lines.extend(explain(up_a, up_b, results_dir, depth + 2))
+    return lines
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    results_dir = args.results_dir
+    a_dir, b_dir = find_keyed_dir(args.a, results_dir), find_keyed_dir(args.b, results_dir)
+    print(f"A: {a_dir}\nB: {b_dir}")
+    print("\n".join(explain(a_dir, b_dir, results_dir)))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- plan
+
+_JOB = re.compile(r"^rule (\w+):$")
+_REASON = re.compile(r"^\s+reason: (.*)$")
+
+
+def parse_dry_run(text: str) -> dict[str, dict[str, Any]]:
+    """{rule: {"jobs": n, "reasons": {reason: count}}} from the text of `snakemake -n`."""
+    rules: dict[str, dict[str, Any]] = {}
+    current = None
+    for line in text.splitlines():
+        if match := _JOB.match(line.strip()) if line.startswith("rule ") else None:
+            current = match.group(1)
+            rules.setdefault(current, {"jobs": 0, "reasons": {}})
+            rules[current]["jobs"] += 1
+        elif current and (match := _REASON.match(line)):
+            reasons = rules[current]["reasons"]
+            for part in match.group(1).split(";"):
+                reason = part.split(":")[0].strip()
+                reasons[reason] = reasons.get(reason, 0) + 1
+    rules.pop("all", None)
+    return rules
+
+
+def dry_run(configfile: str | None, extra: list[str]) -> str:
+    command = [sys.executable, "-m", "snakemake", "-n", "--cores", "1"]
+    if configfile:
+        command += ["--configfile", configfile]
+    result = subprocess.run(command + extra, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"snakemake -n failed: {tail[0]}")
+    return result.stdout + result.stderr
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
+    plan = parse_dry_run(dry_run(configfile, args.snakemake_args))
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    if not plan:
+        print("nothing to do: every output is up to date")
+        return 0
+    print(f"{'rule':24} {'jobs':>4}  reasons")
+    for rule, row in plan.items():
+        reasons = ", ".join(f"{reason} ({count})" for reason, count in row["reasons"].items())
+        print(f"{rule:24} {row['jobs']:>4}  {reasons}")
+    print(f"{'total':24} {sum(row['jobs'] for row in plan.values()):>4}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one stage outside Snakemake, with exactly the settings and key the rule would use."""
+    from mixquant.calibration.run import run_pin_prompt, run_sample_calibration
+    from mixquant.model.run import run_build_toy_model, run_fetch_model
+
+    artifacts = _artifacts(_load(args))
+    by_stage = {art.stage: art for art in artifacts.values()}
+    if args.stage not in by_stage:
+        raise ValueError(f"stage {args.stage!r} is not in this config's plan (stages: {', '.join(by_stage)})")
+    art = by_stage[args.stage]
+    if art.done:
+        print(f"{art.path} (already done)")
+        return 0
+    upstream = {role: artifacts[name] for role, name in art.upstream.items()}
+    for role, up in upstream.items():
+        if not up.done:
+            raise ValueError(f"stage {args.stage}: upstream {role} ({up.stage}) is not built yet: {up.path}")
+    runners = {
+        "build_toy_model": lambda: run_build_toy_model(
+            art.path, settings=art.settings, preimage=art.preimage
+        ),
+        "fetch_model": lambda: run_fetch_model(art.path, settings=art.settings, preimage=art.preimage),
+        "sample_calibration": lambda: run_sample_calibration(
+            art.path, model=upstream["model"].path, settings=art.settings, preimage=art.preimage
+        ),
+        "pin_prompt": lambda: run_pin_prompt(
+            art.path, model=upstream["model"].path, settings=art.settings, preimage=art.preimage
+        ),
+    }
+    print(runners[args.stage]())
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- schema
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from mixquant.config import config_keys_markdown, json_schema
+
+    if args.markdown:
+        text = "| key | default | meaning |\n|---|---|---|\n" + "\n".join(config_keys_markdown()) + "\n"
+    else:
+        text = json.dumps(json_schema(), indent=2) + "\n"
+    if args.write:
+        Path(args.write).write_text(text, "utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mixquant", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--configfile", default=DEFAULT_CONFIG, help="workflow config (default: %(default)s)")
+        return p
+
+    p = with_config(sub.add_parser("paths", help="key, path and state of every artifact"))
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_paths)
+
+    p = sub.add_parser("explain", help="why two keys (or output directories) differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--results-dir", default="results")
+    p.set_defaults(func=cmd_explain)
+
+    p = with_config(sub.add_parser("plan", help="summarize `snakemake -n`: jobs per rule and reasons"))
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("snakemake_args", nargs="*", help="extra snakemake arguments (after --)")
+    p.set_defaults(func=cmd_plan)
+
+    p = with_config(sub.add_parser("run", help="run one stage outside Snakemake (same function, same key)"))
+    p.add_argument("stage")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("schema", help="print (or --write) the config JSON schema, or its key table")
+    p.add_argument("--write", metavar="PATH")
+    p.add_argument("--markdown", action="store_true", help="the key table of config/README.md instead")
+    p.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ManifestError, ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"mixquant: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

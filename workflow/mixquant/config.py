@@ -1,0 +1,376 @@
+"""Typed workflow configuration: the single source of truth for config keys.
+
+Every model forbids unknown fields, and every field has a description and a default where one
+makes sense. ``workflow/schemas/config.schema.json`` is generated from these models
+(``mixquant schema``; a test keeps it in sync) and Snakemake validates ``config`` against it, so
+a misspelled or mistyped key is an error, never a silently ignored parameter. Errors are reported
+as one line naming the key (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mixquant.model.toy_settings import ToyArchitecture, ToyTokenizer, ToyTraining
+
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+COMMIT_PATTERN = r"^[0-9a-f]{40}$"
+Sha256 = Annotated[str, Field(pattern=SHA256_PATTERN)]
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line that names the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class HubPin(Strict):
+    repo: str = Field(description="Hugging Face hub repository id, e.g. 'poolside/Laguna-S-2.1'.")
+    revision: str | None = Field(
+        default=None,
+        description="Full 40-hex commit SHA. Planning accepts null; a real run refuses an unpinned revision.",
+    )
+
+    @field_validator("revision")
+    @classmethod
+    def _commit(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(COMMIT_PATTERN, value):
+            raise ValueError(f"must be a 40-hex commit SHA, got {value!r}")
+        return value
+
+
+class LocalModel(Strict):
+    path: str = Field(description="Directory of a Hugging Face model (config.json, safetensors shards).")
+
+
+class ToyModel(Strict):
+    arch: ToyArchitecture = Field(default_factory=ToyArchitecture, description="Toy Laguna geometry.")
+    tokenizer: ToyTokenizer = Field(default_factory=ToyTokenizer, description="Toy BPE tokenizer.")
+    training: ToyTraining = Field(default_factory=ToyTraining, description="Toy training run.")
+    seed: int = Field(
+        default=0, description="Seed for initialisation and data order (training is deterministic)."
+    )
+    threads: int = Field(default=2, ge=1, description="torch CPU threads for training (part of the key).")
+    num_shards: int = Field(default=2, ge=2, description="Safetensors shards of the saved BF16 checkpoint.")
+
+
+class ModelSection(Strict):
+    source: Literal["toy", "hub", "local"] = Field(
+        default="toy",
+        description="toy: build and train the embedded Laguna (build_toy_model); hub: pinned hub "
+        "revision (fetch_model); local: a local model directory identified by content (fetch_model).",
+    )
+    toy: ToyModel = Field(default_factory=ToyModel, description="Settings of the embedded toy model.")
+    hub: HubPin | None = Field(default=None, description="The BF16 weights on the hub (source: hub).")
+    local: LocalModel | None = Field(default=None, description="The BF16 weights on disk (source: local).")
+    trust_remote_code: bool = Field(
+        default=False, description="Allow the model's own code; only honoured with a pinned hub revision."
+    )
+
+    @model_validator(mode="after")
+    def _selected_present(self) -> ModelSection:
+        if self.source == "hub" and self.hub is None:
+            raise ValueError("source is 'hub' but model.hub is not set")
+        if self.source == "local" and self.local is None:
+            raise ValueError("source is 'local' but model.local is not set")
+        if self.trust_remote_code and (self.source != "hub" or self.hub is None or self.hub.revision is None):
+            raise ValueError("trust_remote_code needs a hub source with a pinned revision")
+        return self
+
+
+class TokenizerSection(Strict):
+    source: Literal["model", "hub"] = Field(
+        default="model", description="model: the tokenizer files of the model; hub: a pinned hub revision."
+    )
+    hub: HubPin | None = Field(default=None, description="Tokenizer repository and revision (source: hub).")
+
+    @model_validator(mode="after")
+    def _selected_present(self) -> TokenizerSection:
+        if self.source == "hub" and self.hub is None:
+            raise ValueError("source is 'hub' but tokenizer.hub is not set")
+        return self
+
+
+# --------------------------------------------------------------------------------------- dataset
+
+
+class LocalDataset(Strict):
+    path: str = Field(description="Chat JSONL file: one {'messages': [{'role', 'content'}, ...]} per line.")
+    sha256: Sha256 = Field(description="SHA-256 of the file's bytes; the file is checked before use.")
+
+
+class HubDatasetMember(Strict):
+    repo: str = Field(description="Hub dataset repository id.")
+    revision: str | None = Field(
+        default=None, description="40-hex commit SHA; a real run refuses an unpinned dataset."
+    )
+    name: str | None = Field(default=None, description="Dataset configuration name, if any.")
+    splits: list[str] = Field(
+        default_factory=lambda: ["train"], min_length=1, description="Splits to draw from."
+    )
+
+    @field_validator("revision")
+    @classmethod
+    def _commit(cls, value: str | None) -> str | None:
+        return HubPin._commit(value)
+
+
+class DatasetSection(Strict):
+    source: Literal["local", "hub"] = Field(
+        default="local", description="local: a pinned JSONL; hub: members."
+    )
+    local: LocalDataset | None = Field(default=None, description="The local chat JSONL (source: local).")
+    hub: list[HubDatasetMember] | None = Field(
+        default=None,
+        description="Hub datasets (source: hub); samples are split evenly across members, "
+        "like ModelOpt's dataset combos.",
+    )
+    messages_field: str = Field(default="messages", description="Column holding the chat messages.")
+
+    @model_validator(mode="after")
+    def _selected_present(self) -> DatasetSection:
+        if self.source == "local" and self.local is None:
+            raise ValueError("source is 'local' but dataset.local is not set")
+        if self.source == "hub" and not self.hub:
+            raise ValueError("source is 'hub' but dataset.hub lists no member")
+        return self
+
+
+class CalibrationSection(Strict):
+    num_samples: int = Field(default=64, ge=1, description="Calibration samples N.")
+    seq_len: int = Field(default=256, ge=2, description="Tokens per sample T.")
+    seed: int = Field(default=0, description="Seed of the sample order.")
+    short_policy: Literal["pack", "skip"] = Field(
+        default="pack",
+        description="Conversations shorter than seq_len: pack (concatenate with the next) or skip.",
+    )
+
+
+class PromptSection(Strict):
+    seq_len: int = Field(default=512, ge=2, description="Prompt length T in tokens (KLD uses T-1 positions).")
+    source: Literal["chat_sample", "token_ids_file"] = Field(
+        default="chat_sample",
+        description="chat_sample: a conversation of the dataset through the chat template; "
+        "token_ids_file: a safetensors (input_ids) or JSON list of token IDs.",
+    )
+    sample_index: int = Field(default=0, ge=0, description="Conversation index (source: chat_sample).")
+    token_ids_file: str | None = Field(default=None, description="Token-ID file (source: token_ids_file).")
+    sha256: Sha256 | None = Field(
+        default=None,
+        description="Pinned SHA-256 of the prompt token IDs (int32 little-endian); a mismatch stops the run.",
+    )
+
+    @model_validator(mode="after")
+    def _selected_present(self) -> PromptSection:
+        if self.source == "token_ids_file" and not self.token_ids_file:
+            raise ValueError("source is 'token_ids_file' but prompt.token_ids_file is not set")
+        return self
+
+
+# ------------------------------------------------------------- later stages (recorded, validated)
+
+
+class PlacementSection(Strict):
+    formats: list[Literal["nvfp4_w4a16", "fp8", "bf16"]] = Field(
+        default_factory=lambda: ["nvfp4_w4a16", "fp8", "bf16"],
+        min_length=1,
+        description="Candidate formats for each MoE layer's routed experts.",
+    )
+    target_effective_bits: float = Field(
+        default=6.0, gt=0, description="Budget on routed-expert effective bits (NVFP4 4.5, FP8 8, BF16 16)."
+    )
+    cost_model: Literal["numel", "active_moe"] = Field(
+        default="numel", description="Bit cost per group: plain numel, or ModelOpt's active-MoE weighting."
+    )
+    recipe: str | None = Field(default=None, description="ModelOpt recipe the settings mirror (provenance).")
+
+
+class KldSection(Strict):
+    engine: Literal["hf", "vllm"] = Field(
+        default="hf", description="Engine for reference and candidate logits."
+    )
+    runs: int = Field(default=5, ge=1, description="Fresh-engine runs per candidate and KV dtype.")
+    kv_cache_dtypes: list[Literal["bfloat16", "fp8"]] = Field(
+        default_factory=lambda: ["bfloat16", "fp8"], min_length=1, description="KV-cache variants."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Tensor parallel size (vllm).")
+    dtype: Literal["bfloat16"] = Field(default="bfloat16", description="Compute dtype.")
+    enforce_eager: bool = Field(default=True, description="Eager execution (no CUDA graphs).")
+    seed: int = Field(default=0, description="Engine seed.")
+    enable_prefix_caching: bool = Field(default=False, description="Prefix caching (off for the protocol).")
+    baseline: HubPin | None = Field(
+        default=None, description="External baseline checkpoint to compare against."
+    )
+
+
+class PublishedHashes(Strict):
+    prompt_token_ids: Sha256 | None = Field(default=None, description="SHA-256 of the prompt token IDs.")
+    reference_logits: Sha256 | None = Field(default=None, description="SHA-256 of the BF16 reference logits.")
+    quant_config: Sha256 | None = Field(default=None, description="SHA-256 of hf_quant_config.json.")
+    safetensors_index: Sha256 | None = Field(
+        default=None, description="SHA-256 of model.safetensors.index.json."
+    )
+
+
+class PlacementCounts(Strict):
+    nvfp4_w4a16: int = Field(ge=0, description="MoE layers whose routed experts are NVFP4 W4A16.")
+    fp8: int = Field(ge=0, description="MoE layers whose routed experts are FP8.")
+    bf16: int = Field(ge=0, description="MoE layers whose routed experts stay BF16.")
+
+
+class ExpectedStructure(Strict):
+    placement_counts: PlacementCounts | None = Field(
+        default=None, description="Routed-expert formats per layer."
+    )
+    routed_effective_bits: float | None = Field(default=None, description="Effective routed-expert bits.")
+    tensors: int | None = Field(default=None, ge=0, description="Tensors in the exported checkpoint.")
+    payload_bytes: int | None = Field(default=None, ge=0, description="Sum of tensor bytes.")
+    audited_bytes: int | None = Field(default=None, ge=0, description="Audited on-disk bytes of the release.")
+    shards: int | None = Field(default=None, ge=1, description="Safetensors shards.")
+
+
+# ------------------------------------------------------------------------------------------ root
+
+
+class MixquantConfig(Strict):
+    """The whole workflow configuration (config/config.yaml, config/laguna-s-2.1.yaml)."""
+
+    results_dir: str = Field(
+        default="results", description="Where keyed outputs land (relative to the workdir)."
+    )
+    model: ModelSection = Field(default_factory=ModelSection, description="The BF16 source model.")
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Tokenizer source.")
+    dataset: DatasetSection = Field(description="Chat dataset for calibration (and chat-sample prompts).")
+    calibration: CalibrationSection = Field(
+        default_factory=CalibrationSection, description="Calibration data."
+    )
+    prompt: PromptSection = Field(default_factory=PromptSection, description="The hash-pinned KLD prompt.")
+    placement: PlacementSection = Field(default_factory=PlacementSection, description="Placement search.")
+    kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
+    published: PublishedHashes = Field(
+        default_factory=PublishedHashes, description="Published SHA-256 values."
+    )
+    expected: ExpectedStructure = Field(
+        default_factory=ExpectedStructure, description="Structure numbers the release is expected to have."
+    )
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names allowed at `loc` (for 'did you mean' hints); empty if it cannot be resolved."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or current is None:
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        current = None
+        for candidate in (annotation, *getattr(annotation, "__args__", ())):
+            for inner in (candidate, *getattr(candidate, "__args__", ())):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    current = inner
+    return list(getattr(current, "model_fields", {}))
+
+
+def _one_line(error: ValidationError, source: str) -> str:
+    first = error.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(part) for part in loc) or "(root)"
+    if first["type"] == "extra_forbidden":
+        allowed = _known_fields(MixquantConfig, loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        suggestion = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (hint[0],))}'?" if hint else ""
+        return f"{source}: unknown config key '{key}'{suggestion}"
+    if first["type"] == "missing":
+        return f"{source}: missing config key '{key}'"
+    message = first["msg"].replace("Value error, ", "")
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    more = len(error.errors()) - 1
+    return f"{source}: config key '{key}': {message}{shown}" + (f" [+{more} more]" if more else "")
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> MixquantConfig:
+    """Validate a raw config mapping; raise ConfigError with one line naming the offending key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping, got {type(raw).__name__}")
+    try:
+        return MixquantConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_one_line(error, source)) from None
+
+
+def load_config_file(path: str | Path) -> MixquantConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    return validate_config(raw or {}, str(path))
+
+
+def select_workflow_config(
+    merged: dict[str, Any], cli_configfiles: list[str] | None, cli_config: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The config the user meant, from what Snakemake hands the Snakefile.
+
+    Snakemake *merges* ``--configfile`` files over the Snakefile's default ``configfile:``, which
+    would mix the toy default's sections into the real model's config. When config files are given
+    on the command line they replace the default; ``--config`` overrides still apply.
+    """
+    if cli_configfiles:
+        return dict(cli_config or {})
+    return merged
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON schema of the config (draft 2020-12) with additionalProperties: false on every object."""
+    schema = MixquantConfig.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "mixquant workflow configuration"
+    return schema
+
+
+def _submodels(annotation: Any) -> list[type[BaseModel]]:
+    found = []
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        for inner in (candidate, *getattr(candidate, "__args__", ())):
+            if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in found:
+                found.append(inner)
+    return found
+
+
+def config_keys_markdown(model: type[BaseModel] = MixquantConfig, prefix: str = "") -> list[str]:
+    """Table rows `| key | default | description |` for every key, depth first (config/README.md)."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        nested = _submodels(field.annotation)
+        if field.is_required():
+            default = "required"
+        elif nested and field.default_factory is not None:
+            default = "(section)"
+        else:
+            value = field.get_default(call_default_factory=True)
+            default = f"`{value!r}`" if not isinstance(value, BaseModel) else "(section)"
+        rows.append(f"| `{key}` | {default} | {field.description or ''} |")
+        for sub in nested:
+            rows.extend(config_keys_markdown(sub, key + "."))
+    return rows

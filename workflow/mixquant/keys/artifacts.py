@@ -1,0 +1,170 @@
+"""The artifact graph: every stage output's key and path, computed from config at planning time.
+
+Keys are Merkle-style: a stage's preimage holds the config slice it reads, the keys of its
+upstream artifacts, its code identity and package versions (``stage_preimage``). Nothing here
+reads a stage's output, so ``snakemake -n`` shows exactly which keyed directories will be built.
+Root inputs are identified by what pins them: a hub revision, a file's pinned SHA-256, or the
+content hashes of a local directory.
+
+Each artifact also carries ``settings``: what the stage function needs to run (paths included),
+a superset of the key slice. Paths never enter a key; content identities do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixquant.config import MixquantConfig
+from mixquant.keys.canonical import canonical_sha256
+from mixquant.keys.hashing import require_sha256_hex
+from mixquant.keys.manifest import MANIFEST
+from mixquant.keys.stages import stage_preimage
+
+
+@dataclass(frozen=True)
+class Artifact:
+    name: str
+    stage: str
+    key: str
+    path: Path
+    preimage: dict[str, Any]
+    settings: dict[str, Any]
+    upstream: dict[str, str] = field(default_factory=dict)  # role -> artifact name
+
+    @property
+    def done(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
+
+def keyed_path(results_dir: str | Path, stage: str, key: str) -> Path:
+    """results/<stage>/<key>; the key is validated as hex before it becomes a path."""
+    return Path(results_dir) / stage / require_sha256_hex(key, f"{stage} key")
+
+
+class _Graph:
+    def __init__(self, cfg: MixquantConfig, hash_cache_dir: Path | None):
+        self.cfg = cfg
+        self.hash_cache_dir = hash_cache_dir
+        self.artifacts: dict[str, Artifact] = {}
+
+    def add(
+        self, name: str, stage: str, config_slice: Any, settings: dict, upstream: dict[str, str]
+    ) -> Artifact:
+        upstream_keys = {role: self.artifacts[target].key for role, target in upstream.items()}
+        preimage = stage_preimage(stage, config_slice, upstream_keys)
+        key = canonical_sha256(preimage)
+        artifact = Artifact(
+            name, stage, key, keyed_path(self.cfg.results_dir, stage, key), preimage, settings, dict(upstream)
+        )
+        self.artifacts[name] = artifact
+        return artifact
+
+
+def _dataset_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
+    """(key slice, settings) of the chat dataset: pinned hash or hub revisions, never a path."""
+    dataset = cfg.dataset
+    if dataset.source == "local":
+        assert dataset.local is not None
+        identity = {"source": "local", "sha256": dataset.local.sha256}
+        settings = {"source": "local", "path": dataset.local.path, "sha256": dataset.local.sha256}
+    else:
+        members = [member.model_dump(mode="json") for member in dataset.hub or []]
+        identity = {"source": "hub", "members": members}
+        settings = {"source": "hub", "members": members}
+    identity["messages_field"] = settings["messages_field"] = dataset.messages_field
+    return identity, settings
+
+
+def _model_artifact(graph: _Graph) -> None:
+    model = graph.cfg.model
+    if model.source == "toy":
+        identity, dataset_settings = _dataset_identity(graph.cfg)
+        toy = model.toy.model_dump(mode="json")
+        graph.add(
+            "model",
+            "build_toy_model",
+            {"toy": toy, "corpus": identity},
+            {"toy": toy, "corpus": dataset_settings},
+            {},
+        )
+    elif model.source == "hub":
+        assert model.hub is not None
+        pin = model.hub.model_dump(mode="json")
+        graph.add(
+            "model",
+            "fetch_model",
+            {"source": "hub", **pin, "trust_remote_code": model.trust_remote_code},
+            {"source": "hub", **pin, "trust_remote_code": model.trust_remote_code},
+            {},
+        )
+    else:
+        from mixquant.model.fetch import local_dir_identity
+
+        assert model.local is not None
+        files = local_dir_identity(model.local.path, cache_dir=graph.hash_cache_dir)
+        graph.add(
+            "model",
+            "fetch_model",
+            {"source": "local", "files": files},
+            {"source": "local", "path": model.local.path},
+            {},
+        )
+
+
+def _tokenizer_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
+    """(slice, settings) naming the tokenizer; 'model' tokenizers are covered by the model key."""
+    if cfg.tokenizer.source == "hub":
+        assert cfg.tokenizer.hub is not None
+        pin = cfg.tokenizer.hub.model_dump(mode="json")
+        return {"source": "hub", **pin}, {"source": "hub", **pin}
+    return {"source": "model"}, {"source": "model"}
+
+
+def resolve_artifacts(cfg: MixquantConfig, hash_cache_dir: Path | None = None) -> dict[str, Artifact]:
+    """{artifact name: Artifact} for every stage the config asks for, in dependency order."""
+    graph = _Graph(cfg, hash_cache_dir)
+    _model_artifact(graph)
+    tokenizer_slice, tokenizer_settings = _tokenizer_identity(cfg)
+    dataset_slice, dataset_settings = _dataset_identity(cfg)
+
+    calibration = cfg.calibration.model_dump(mode="json")
+    graph.add(
+        "calibration",
+        "sample_calibration",
+        {"calibration": calibration, "dataset": dataset_slice, "tokenizer": tokenizer_slice},
+        {"calibration": calibration, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
+        {"model": "model"},
+    )
+
+    prompt = cfg.prompt.model_dump(mode="json")
+    prompt_slice: dict[str, Any] = {
+        "seq_len": prompt["seq_len"],
+        "source": prompt["source"],
+        "sha256": prompt["sha256"],
+        "tokenizer": tokenizer_slice,
+    }
+    if prompt["source"] == "chat_sample":
+        prompt_slice.update(sample_index=prompt["sample_index"], dataset=dataset_slice)
+    else:
+        # A token-ID file is identified by the pin when there is one (the run checks the file
+        # against it), else by its content at planning time.
+        from mixquant.keys.hashing import file_sha256
+
+        token_file = Path(prompt["token_ids_file"])
+        content = file_sha256(token_file) if token_file.is_file() else None
+        prompt_slice["token_ids_file_sha256"] = None if prompt["sha256"] else content
+    graph.add(
+        "prompt",
+        "pin_prompt",
+        prompt_slice,
+        {"prompt": prompt, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
+        {"model": "model"},
+    )
+    return graph.artifacts
+
+
+def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
+    """Directories `rule all` asks for."""
+    return [str(artifacts[name].path) for name in ("model", "calibration", "prompt")]

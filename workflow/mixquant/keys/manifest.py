@@ -1,0 +1,136 @@
+"""Keyed output directories: atomic publication and manifest.json.
+
+Every stage writes into a fresh temporary directory beside its keyed directory and renames it
+into place only after manifest.json (the key's full preimage plus SHA-256 and size of every file)
+is written. A keyed directory is therefore complete or absent: a crash, a kill or an exception
+leaves at most a ``.tmp-*`` directory, never a half-written keyed one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from mixquant.keys.canonical import canonical_sha256
+from mixquant.keys.hashing import file_sha256, require_sha256_hex
+
+MANIFEST = "manifest.json"
+# Snakemake touches this file inside directory outputs to carry their mtime; it is not content.
+SNAKEMAKE_TIMESTAMP = ".snakemake_timestamp"
+_NOT_CONTENT = {MANIFEST, SNAKEMAKE_TIMESTAMP}
+
+log = logging.getLogger(__name__)
+
+
+class ManifestError(RuntimeError):
+    """A keyed directory whose files do not match its manifest."""
+
+
+def file_inventory(directory: Path) -> dict[str, dict[str, Any]]:
+    """{relative posix path: {"sha256", "size"}} of every regular file under `directory`."""
+    inventory = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()):
+        relative = path.relative_to(directory).as_posix()
+        if relative in _NOT_CONTENT:
+            continue
+        inventory[relative] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+    return inventory
+
+
+def environment_record() -> dict[str, Any]:
+    from mixquant.keys.stages import installed_versions
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": installed_versions(),
+    }
+
+
+def write_manifest(directory: Path, preimage: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
+    key = canonical_sha256(preimage)
+    manifest = {
+        "key": key,
+        "preimage": preimage,
+        "files": file_inventory(directory),
+        "environment": environment_record(),
+        "created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if extra:
+        manifest["summary"] = extra
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", "utf-8")
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest (not a mixquant output directory)") from None
+    except json.JSONDecodeError as error:
+        raise ManifestError(f"{path}: unreadable manifest ({error})") from None
+
+
+def verify_manifest(directory: str | Path) -> list[str]:
+    """Problems found comparing a keyed directory with its manifest; empty when it matches."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    problems = []
+    if canonical_sha256(manifest["preimage"]) != manifest["key"]:
+        problems.append("manifest key is not the SHA-256 of its preimage")
+    if directory.name != manifest["key"]:
+        problems.append(f"directory name {directory.name} differs from manifest key {manifest['key']}")
+    actual = file_inventory(directory)
+    for name in sorted(set(manifest["files"]) | set(actual)):
+        want, got = manifest["files"].get(name), actual.get(name)
+        if want is None:
+            problems.append(f"{name}: present but not in the manifest")
+        elif got is None:
+            problems.append(f"{name}: listed in the manifest but missing")
+        elif want != got:
+            problems.append(f"{name}: sha256/size {got['sha256'][:12]}/{got['size']} differ from manifest")
+    return problems
+
+
+@contextmanager
+def publish_keyed_dir(final_dir: str | Path, preimage: dict[str, Any]) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success write manifest.json and rename it to `final_dir`.
+
+    `final_dir`'s name must be the key, i.e. the SHA-256 of `preimage` (checked, so a caller
+    cannot publish under a key that does not describe the content). An existing empty directory at
+    `final_dir` (Snakemake may create one) is replaced; an existing non-empty one is an error: keyed
+    directories are immutable. On any exception the temporary directory is removed. A stage may
+    write ``summary.json`` (small, JSON) into the directory; it is copied into the manifest.
+    """
+    final_dir = Path(final_dir)
+    key = require_sha256_hex(final_dir.name, f"output directory {final_dir}")
+    if canonical_sha256(preimage) != key:
+        raise ValueError(f"{final_dir}: directory name is not the key of the given preimage")
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    temporary = final_dir.parent / f".tmp-{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary.mkdir()
+    try:
+        yield temporary
+        summary_path = temporary / "summary.json"
+        summary = json.loads(summary_path.read_text("utf-8")) if summary_path.exists() else None
+        write_manifest(temporary, preimage, summary)
+        if final_dir.exists():
+            leftovers = [p.name for p in final_dir.iterdir() if p.name != SNAKEMAKE_TIMESTAMP]
+            if leftovers:
+                raise FileExistsError(f"{final_dir}: keyed directory already exists and is not empty")
+            shutil.rmtree(final_dir)
+        os.rename(temporary, final_dir)
+        log.info("published %s", final_dir)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise

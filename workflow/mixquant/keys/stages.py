@@ -1,0 +1,88 @@
+"""What enters each stage's key besides config and upstream keys: code identity and packages.
+
+KEY_SCHEMA_VERSION changes when the layout of the preimage itself changes (every key moves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from mixquant.keys.code_identity import code_identity
+
+KEY_SCHEMA_VERSION = 1
+
+# Packages whose versions are recorded in every manifest (the environment that produced it).
+RECORDED_PACKAGES = (
+    "mixquant",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "datasets",
+    "nvidia-modelopt",
+    "pandas",
+    "pulp",
+    "numpy",
+    "snakemake",
+    "huggingface-hub",
+    "vllm",
+)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage's identity: the modules that decide its numbers and the packages that do too."""
+
+    name: str
+    numerics_modules: tuple[str, ...]
+    numerics_packages: tuple[str, ...]
+
+
+STAGES: dict[str, StageSpec] = {
+    spec.name: spec
+    for spec in (
+        StageSpec(
+            "build_toy_model",
+            ("mixquant.model.toy", "mixquant.model.tokenizer", "mixquant.model.layout"),
+            ("torch", "transformers", "tokenizers", "safetensors"),
+        ),
+        # Downloads and content hashes: no numerics, so no package decides the result.
+        StageSpec("fetch_model", ("mixquant.model.fetch",), ()),
+        StageSpec(
+            "sample_calibration",
+            ("mixquant.calibration.sample", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
+            ("transformers", "tokenizers", "datasets"),
+        ),
+        StageSpec(
+            "pin_prompt",
+            ("mixquant.calibration.prompt", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
+            ("transformers", "tokenizers", "datasets"),
+        ),
+    )
+}
+
+
+def installed_versions(names: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, str | None]:
+    """{distribution: version or None when not installed}."""
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def stage_preimage(stage: str, config_slice: Any, upstream: dict[str, str]) -> dict[str, Any]:
+    """The full key preimage of one stage run (its SHA-256 is the key)."""
+    spec = STAGES[stage]
+    return {
+        "key_schema": KEY_SCHEMA_VERSION,
+        "stage": stage,
+        "config": config_slice,
+        "upstream": dict(sorted(upstream.items())),
+        "code": code_identity(spec.numerics_modules),
+        "packages": installed_versions(spec.numerics_packages),
+    }

@@ -1,0 +1,22 @@
+# Calibration data: N samples x T tokens from the chat dataset through the chat template.
+
+
+rule sample_calibration:
+    input:
+        model=artifact_path("model"),
+    output:
+        calibration=directory(artifact_path("calibration")),
+    log:
+        stage_log("calibration"),
+    benchmark:
+        stage_benchmark("calibration")
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        stage=stage_params("calibration"),
+    script:
+        "../scripts/sample_calibration.py"

@@ -1,0 +1,43 @@
+# The BF16 source model: the embedded toy Laguna is built and trained here (build_toy_model);
+# a real model is pinned by hub revision or by the content of a local directory (fetch_model).
+
+
+if CFG.model.source == "toy":
+
+    rule build_toy_model:
+        output:
+            model=directory(artifact_path("model")),
+        log:
+            stage_log("model"),
+        benchmark:
+            stage_benchmark("model")
+        conda:
+            "../../envs/quant.yaml"
+        threads: CFG.model.toy.threads
+        resources:
+            mem_mb=4000,
+            runtime=30,
+        params:
+            stage=stage_params("model"),
+        script:
+            "../scripts/build_toy_model.py"
+
+else:
+
+    rule fetch_model:
+        output:
+            model=directory(artifact_path("model")),
+        log:
+            stage_log("model"),
+        benchmark:
+            stage_benchmark("model")
+        conda:
+            "../../envs/quant.yaml"
+        threads: 1
+        resources:
+            mem_mb=4000,
+            runtime=240,
+        params:
+            stage=stage_params("model"),
+        script:
+            "../scripts/fetch_model.py"

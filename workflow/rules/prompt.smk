@@ -1,0 +1,22 @@
+# The KLD prompt: T token IDs whose SHA-256 is checked against the configured pin.
+
+
+rule pin_prompt:
+    input:
+        model=artifact_path("model"),
+    output:
+        prompt=directory(artifact_path("prompt")),
+    log:
+        stage_log("prompt"),
+    benchmark:
+        stage_benchmark("prompt")
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    params:
+        stage=stage_params("prompt"),
+    script:
+        "../scripts/pin_prompt.py"
