@@ -1,5 +1,3 @@
-import json
-
 import pytest
 from mixquant.keys.artifacts import keyed_path
 from mixquant.keys.canonical import canonical_sha256
@@ -12,11 +10,12 @@ KEY = canonical_sha256(PREIMAGE)
 
 def test_publish_writes_manifest_that_matches_the_files(tmp_path):
     final = tmp_path / "demo" / KEY
-    with publish_keyed_dir(final, PREIMAGE) as tmp:
+    summary = {}
+    with publish_keyed_dir(final, PREIMAGE, summary) as tmp:
         (tmp / "a.bin").write_bytes(b"\x00\x01" * 100)
         (tmp / "sub").mkdir()
         (tmp / "sub" / "b.txt").write_text("hello")
-        (tmp / "summary.json").write_text(json.dumps({"answer": 42}))
+        summary["answer"] = 42
         assert not final.exists()  # nothing visible before completion
     manifest = read_manifest(final)
     assert manifest["key"] == KEY and manifest["preimage"] == PREIMAGE

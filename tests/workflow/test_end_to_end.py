@@ -33,8 +33,11 @@ def test_default_run_produces_complete_keyed_outputs(built_workdir):
     model = _dir(wd, paths, "model")
     assert len(list(model.glob("model-*-of-*.safetensors"))) >= 2
     report = read_manifest(model)["summary"]
-    vocab = report["vocab_size"]
-    assert report["heldout_eval"]["loss"] < 0.45 * math.log(vocab)
+    vocab = report["model"]["vocab_size"]
+    assert report["loss"]["heldout"] < 0.45 * math.log(vocab)  # clearly peaked, not near-uniform
+    assert report["loss"]["first_step"] > 0.9 * math.log(vocab)  # it started from (near) uniform
+    assert report["checkpoint"]["logits_bit_identical_after_reload"] is True
+    assert "timings_s" not in json.loads((model / "training_report.json").read_text())
 
     calibration = load_file(_dir(wd, paths, "calibration") / "calibration.safetensors")["input_ids"]
     config = wd.config()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -83,10 +82,10 @@ def run_sample_calibration(
         if count
     ]
     ids = torch.cat(parts, dim=0)
-    with publish_keyed_dir(out_dir, preimage) as tmp:
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         sha = save_token_ids(tmp / "calibration.safetensors", ids, {"encoding": "int32-le-row-major"})
-        summary = {"sha256": sha, "shape": list(ids.shape), "tokens": int(ids.numel())}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(sha256=sha, shape=list(ids.shape), tokens=int(ids.numel()))
     log.info("calibration %s: %s tokens, sha256 %s", list(ids.shape), ids.numel(), sha)
     return Path(out_dir)
 
@@ -108,9 +107,9 @@ def run_pin_prompt(
     else:
         ids = build_prompt(seq_len=prompt["seq_len"], token_ids_file=prompt["token_ids_file"])
     status = check_prompt_pin(ids, prompt["sha256"])
-    with publish_keyed_dir(out_dir, preimage) as tmp:
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         save_token_ids(tmp / "prompt.safetensors", ids, {"encoding": "int32-le-row-major"})
-        summary = {**status, "seq_len": int(ids.numel()), "text_preview": tokenizer.decode(ids[:64].tolist())}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(status, seq_len=int(ids.numel()), text_preview=tokenizer.decode(ids[:64].tolist()))
     log.info("prompt %d tokens, sha256 %s (%s)", ids.numel(), status["sha256"], status["pin_status"])
     return Path(out_dir)

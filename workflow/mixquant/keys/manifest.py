@@ -103,14 +103,17 @@ def verify_manifest(directory: str | Path) -> list[str]:
 
 
 @contextmanager
-def publish_keyed_dir(final_dir: str | Path, preimage: dict[str, Any]) -> Iterator[Path]:
+def publish_keyed_dir(
+    final_dir: str | Path, preimage: dict[str, Any], summary: dict[str, Any] | None = None
+) -> Iterator[Path]:
     """Yield an empty temporary directory; on success write manifest.json and rename it to `final_dir`.
 
     `final_dir`'s name must be the key, i.e. the SHA-256 of `preimage` (checked, so a caller
     cannot publish under a key that does not describe the content). An existing empty directory at
     `final_dir` (Snakemake may create one) is replaced; an existing non-empty one is an error: keyed
-    directories are immutable. On any exception the temporary directory is removed. A stage may
-    write ``summary.json`` (small, JSON) into the directory; it is copied into the manifest.
+    directories are immutable. On any exception the temporary directory is removed. `summary`
+    (a dict the caller may fill inside the block) goes into the manifest, not into a file: it may
+    hold run-dependent facts such as timings, which must not change the directory's content.
     """
     final_dir = Path(final_dir)
     key = require_sha256_hex(final_dir.name, f"output directory {final_dir}")
@@ -121,8 +124,6 @@ def publish_keyed_dir(final_dir: str | Path, preimage: dict[str, Any]) -> Iterat
     temporary.mkdir()
     try:
         yield temporary
-        summary_path = temporary / "summary.json"
-        summary = json.loads(summary_path.read_text("utf-8")) if summary_path.exists() else None
         write_manifest(temporary, preimage, summary)
         if final_dir.exists():
             leftovers = [p.name for p in final_dir.iterdir() if p.name != SNAKEMAKE_TIMESTAMP]

@@ -45,7 +45,12 @@ STAGES: dict[str, StageSpec] = {
     for spec in (
         StageSpec(
             "build_toy_model",
-            ("mixquant.model.toy", "mixquant.model.tokenizer", "mixquant.model.layout"),
+            (
+                "mixquant.model.toy",
+                "mixquant.model.toy_settings",
+                "mixquant.model.tokenizer",
+                "mixquant.model.layout",
+            ),
             ("torch", "transformers", "tokenizers", "safetensors"),
         ),
         # Downloads and content hashes: no numerics, so no package decides the result.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ def run_build_toy_model(out_dir: str | Path, *, settings: dict[str, Any], preima
 
     toy = settings["toy"]
     (corpus,) = load_dataset_conversations(settings["corpus"])
-    with publish_keyed_dir(out_dir, preimage) as tmp:
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         report = build_toy_model(
             tmp,
             conversations=corpus,
@@ -30,7 +30,7 @@ def run_build_toy_model(out_dir: str | Path, *, settings: dict[str, Any], preima
             threads=toy["threads"],
             num_shards=toy["num_shards"],
         )
-        (tmp / "summary.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        summary.update(report)
     return Path(out_dir)
 
 

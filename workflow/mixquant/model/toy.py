@@ -35,57 +35,19 @@ from mixquant.model.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+from mixquant.model.toy_settings import ToyArchitecture, ToyTokenizer, ToyTraining
 
 NVFP4_BLOCK = 16
 
-# Geometry of the toy model (LagunaConfig fields, some derived). Real Laguna-S-2.1 values in brackets.
-DEFAULT_TOY_ARCH: dict[str, Any] = {
-    "num_hidden_layers": 9,  # decoder layers: 1 dense + 8 MoE [40]
-    "num_dense_layers": 1,  # leading layers with a dense MLP; the rest are MoE ("sparse") [1]
-    "hidden_size": 128,  # residual width; multiple of 16 [2048]
-    "head_dim": 16,  # per-head width [128]
-    "num_attention_heads_full": 4,  # query heads on full-attention layers [48]
-    "num_attention_heads_sliding": 6,  # query heads on sliding-window layers [72]
-    "num_key_value_heads": 2,  # KV heads on every layer; divides both head counts [8]
-    "full_attention_period": 4,  # layer l is full attention iff l % period == 0 [4]
-    "sliding_window": 64,  # tokens a sliding-window layer attends to [512]
-    "intermediate_size": 256,  # dense-MLP width (layer 0); multiple of 16 [8192]
-    "num_experts": 16,  # routed experts per MoE layer [256]
-    "num_experts_per_tok": 2,  # top-k routed experts per token [8]
-    "moe_intermediate_size": 32,  # routed-expert MLP width; multiple of 16 [512]
-    "shared_expert_intermediate_size": 64,  # the one shared expert's MLP width; multiple of 16 [512]
-    "moe_routed_scaling_factor": 2.5,  # routed output scale before adding the shared expert [2.5]
-    "full_rope_theta": 500000.0,  # RoPE base on full-attention layers [500000]
-    "full_partial_rotary_factor": 0.5,  # fraction of head_dim rotated on full-attention layers [0.5]
-    "sliding_rope_theta": 10000.0,  # RoPE base on sliding-window layers [10000]
-    "max_position_embeddings": 4096,  # advertised context length [131072]
-    "rms_norm_eps": 1e-6,  # RMSNorm epsilon [1e-6]
-    "initializer_range": 0.02,  # std of the normal weight init
-    "router_bias_init_std": 0.02,  # std of the seeded nonzero init of e_score_correction_bias
-}
+# Defaults live in the typed settings (toy_settings.py, also the config schema); plain dicts here.
+# Geometry of the toy model (LagunaConfig fields, some derived).
+DEFAULT_TOY_ARCH: dict[str, Any] = ToyArchitecture().model_dump()
 
 # Tokenizer training (tokenizer.py): byte-level BPE on the corpus text.
-DEFAULT_TOY_TOKENIZER: dict[str, Any] = {
-    "vocab_size": 2048,  # BPE vocabulary incl. 256 bytes and 4 special tokens; multiple of 16
-    "min_frequency": 2,  # a pair must occur this often to be merged
-}
+DEFAULT_TOY_TOKENIZER: dict[str, Any] = ToyTokenizer().model_dump()
 
 # Training: AdamW, linear warmup then cosine decay, fp32 on CPU; packed next-token prediction.
-DEFAULT_TOY_TRAINING: dict[str, Any] = {
-    "steps": 320,  # optimizer steps (~115 s on 2 shared CPU cores)
-    "batch_size": 24,  # sequences per step
-    "seq_len": 128,  # tokens per sequence (conversations are concatenated, then cut)
-    "lr": 6e-3,  # peak learning rate
-    "min_lr_ratio": 0.1,  # final lr as a fraction of the peak (cosine floor)
-    "warmup_steps": 20,  # linear warmup steps from 0
-    "weight_decay": 0.01,  # AdamW decoupled weight decay (matrices only, not norms/biases)
-    "beta1": 0.9,  # AdamW beta1
-    "beta2": 0.95,  # AdamW beta2
-    "grad_clip": 1.0,  # max global gradient norm
-    "router_bias_update_rate": 0.001,  # aux-loss-free balancing: bias += rate * sign(mean load - load)
-    "heldout_every": 20,  # every n-th conversation (index % n == 0) is held out from training
-    "eval_sequences": 256,  # sequences (of seq_len) scored for the train and held-out losses (at most)
-}
+DEFAULT_TOY_TRAINING: dict[str, Any] = ToyTraining().model_dump()
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -595,5 +557,7 @@ def build_toy_model(
     report["timings_s"].update(
         {"tokenizer": tokenizer_s, "save": save_s, "verify": verify_s, "total": time.perf_counter() - start}
     )
-    layout.write_json(out_dir / "training_report.json", report)
+    # Timings vary run to run; they go to the caller (the manifest), not into the checkpoint, so
+    # every file of the build is bit-identical for a fixed seed.
+    layout.write_json(out_dir / "training_report.json", {k: v for k, v in report.items() if k != "timings_s"})
     return report
