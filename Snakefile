@@ -12,6 +12,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/calibration.smk"
 include: "workflow/rules/prompt.smk"
+include: "workflow/rules/quantize.smk"
 
 
 rule all:

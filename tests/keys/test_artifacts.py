@@ -34,10 +34,37 @@ def test_keys_are_stable_and_paths_are_keyed(raw):
         assert artifact.path == Path("results") / artifact.stage / artifact.key
 
 
-def test_calibration_knob_moves_only_calibration(raw):
+def moved(base, changed):
+    return sorted(name for name in base if changed.get(name) != base[name])
+
+
+def test_calibration_knob_moves_calibration_and_what_reads_it(raw):
     base, changed = keys(raw), keys(edited(raw, "calibration", num_samples=32))
-    assert changed["calibration"] != base["calibration"]
-    assert changed["model"] == base["model"] and changed["prompt"] == base["prompt"]
+    # FP8 layers read the activation statistics; NVFP4 and BF16 layers only read weights.
+    assert moved(base, changed) == ["activations", "calibration", "layer/5/fp8", "layer/6/fp8"]
+
+
+def test_nvfp4_knob_moves_only_nvfp4_layers(raw):
+    changed_raw = copy.deepcopy(raw)
+    changed_raw["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
+    assert moved(keys(raw), keys(changed_raw)) == [f"layer/{layer}/nvfp4_w4a16" for layer in (1, 2, 3, 4)]
+
+
+def test_moving_one_layer_adds_exactly_that_layer_x_format(raw):
+    changed_raw = copy.deepcopy(raw)
+    changed_raw["placement"]["explicit"]["layers"].append({"layers": "7", "format": "fp8"})
+    base, changed = keys(raw), keys(changed_raw)
+    assert set(changed) - set(base) == {"layer/7/fp8"} and set(base) - set(changed) == {"layer/7/bf16"}
+    assert all(changed[name] == base[name] for name in base if name != "layer/7/bf16")
+
+
+def test_a_layer_x_format_key_does_not_depend_on_the_rest_of_the_placement(raw):
+    changed_raw = copy.deepcopy(raw)
+    changed_raw["placement"]["explicit"]["layers"] = [{"layers": "1-8", "format": "nvfp4_w4a16"}]
+    base, changed = keys(raw), keys(changed_raw)
+    assert all(
+        changed[f"layer/{layer}/nvfp4_w4a16"] == base[f"layer/{layer}/nvfp4_w4a16"] for layer in (1, 2, 3, 4)
+    )
 
 
 def test_prompt_pin_moves_only_prompt(raw):
@@ -50,7 +77,7 @@ def test_model_knob_moves_everything_downstream(raw):
     changed_raw = copy.deepcopy(raw)
     changed_raw["model"]["toy"]["seed"] = 1
     base, changed = keys(raw), keys(changed_raw)
-    assert all(changed[name] != base[name] for name in ("model", "calibration", "prompt"))
+    assert moved(base, changed) == sorted(base)
 
 
 def test_defaults_spelled_out_give_the_same_keys(raw):

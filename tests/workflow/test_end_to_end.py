@@ -65,7 +65,8 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     config = wd.config()
     config["calibration"]["num_samples"] = 16
     changed = wd.write_config("config/fewer-samples.yaml", config)
-    assert wd.plan(changed) == {"sample_calibration": 1}
+    # Nothing upstream reruns; downstream, only what reads calibration (activations, FP8 layers).
+    assert wd.plan(changed) == {"sample_calibration": 1, "collect_activation_stats": 1, "quantize_layer": 2}
     wd.snakemake("--configfile", changed)
     after = wd.paths(changed)
     assert after["model"] == before["model"] and after["prompt"] == before["prompt"]
@@ -125,7 +126,13 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     config = wd.config()
     config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}}
     local = wd.write_config("config/local.yaml", config)
-    assert wd.plan(local) == {"fetch_model": 1, "sample_calibration": 1, "pin_prompt": 1}
+    assert wd.plan(local) == {
+        "fetch_model": 1,
+        "sample_calibration": 1,
+        "pin_prompt": 1,
+        "collect_activation_stats": 1,
+        "quantize_layer": 8,
+    }
     wd.snakemake("--configfile", local)
     paths = wd.paths(local)
     fetched = read_manifest(_dir(wd, paths, "model"))

@@ -2,9 +2,17 @@
 
 import pytest
 
+TOY_DAG = {
+    "build_toy_model": 1,
+    "sample_calibration": 1,
+    "pin_prompt": 1,
+    "collect_activation_stats": 1,
+    "quantize_layer": 8,  # one job per MoE layer of the toy, in its placed format
+}
+
 
 def test_default_config_plans_the_toy_dag(workdir):
-    assert workdir.plan() == {"build_toy_model": 1, "sample_calibration": 1, "pin_prompt": 1}
+    assert workdir.plan() == TOY_DAG
 
 
 def test_reference_config_plans_without_weights(workdir):
@@ -12,6 +20,8 @@ def test_reference_config_plans_without_weights(workdir):
         "fetch_model": 1,
         "sample_calibration": 1,
         "pin_prompt": 1,
+        "collect_activation_stats": 1,
+        "quantize_layer": 47,
     }
     paths = workdir.paths("config/laguna-s-2.1.yaml")
     assert paths["model"]["path"].startswith("results/fetch_model/")

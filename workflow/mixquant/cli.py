@@ -40,7 +40,7 @@ def cmd_paths(args: argparse.Namespace) -> int:
         print(json.dumps(table, indent=2))
     else:
         for name, row in table.items():
-            print(f"{name:12} {'done' if row['done'] else 'todo':4}  {row['path']}")
+            print(f"{name:22} {'done' if row['done'] else 'todo':4}  {row['path']}")
     return 0
 
 
@@ -164,36 +164,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------- run
 
 
+# Stage -> "module:function"; each takes (out_dir, **{upstream role: path}, settings, preimage),
+# exactly as the rule scripts call them.
+STAGE_RUNNERS = {
+    "build_toy_model": "mixquant.model.run:run_build_toy_model",
+    "fetch_model": "mixquant.model.run:run_fetch_model",
+    "sample_calibration": "mixquant.calibration.run:run_sample_calibration",
+    "pin_prompt": "mixquant.calibration.run:run_pin_prompt",
+    "collect_activation_stats": "mixquant.quantize.run:run_collect_activation_stats",
+    "quantize_layer": "mixquant.quantize.run:run_quantize_layer",
+}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run one stage outside Snakemake, with exactly the settings and key the rule would use."""
-    from mixquant.calibration.run import run_pin_prompt, run_sample_calibration
-    from mixquant.model.run import run_build_toy_model, run_fetch_model
+    """Run one artifact's stage outside Snakemake, with exactly the settings and key the rule uses."""
+    import importlib
 
     artifacts = _artifacts(_load(args))
-    by_stage = {art.stage: art for art in artifacts.values()}
-    if args.stage not in by_stage:
-        raise ValueError(f"stage {args.stage!r} is not in this config's plan (stages: {', '.join(by_stage)})")
-    art = by_stage[args.stage]
+    matches = [art for art in artifacts.values() if args.target in (art.name, art.stage)]
+    if len(matches) != 1:
+        names = ", ".join(artifacts)
+        raise ValueError(f"{args.target!r} names {len(matches)} artifacts; give one of: {names}")
+    art = matches[0]
     if art.done:
         print(f"{art.path} (already done)")
         return 0
     upstream = {role: artifacts[name] for role, name in art.upstream.items()}
     for role, up in upstream.items():
         if not up.done:
-            raise ValueError(f"stage {args.stage}: upstream {role} ({up.stage}) is not built yet: {up.path}")
-    runners = {
-        "build_toy_model": lambda: run_build_toy_model(
-            art.path, settings=art.settings, preimage=art.preimage
-        ),
-        "fetch_model": lambda: run_fetch_model(art.path, settings=art.settings, preimage=art.preimage),
-        "sample_calibration": lambda: run_sample_calibration(
-            art.path, model=upstream["model"].path, settings=art.settings, preimage=art.preimage
-        ),
-        "pin_prompt": lambda: run_pin_prompt(
-            art.path, model=upstream["model"].path, settings=art.settings, preimage=art.preimage
-        ),
-    }
-    print(runners[args.stage]())
+            raise ValueError(f"{art.name}: upstream {role} ({up.stage}) is not built yet: {up.path}")
+    module, function = STAGE_RUNNERS[art.stage].split(":")
+    runner = getattr(importlib.import_module(module), function)
+    paths = {role: up.path for role, up in upstream.items()}
+    print(runner(art.path, **paths, settings=art.settings, preimage=art.preimage))
     return 0
 
 
@@ -237,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snakemake_args", nargs="*", help="extra snakemake arguments (after --)")
     p.set_defaults(func=cmd_plan)
 
-    p = with_config(sub.add_parser("run", help="run one stage outside Snakemake (same function, same key)"))
-    p.add_argument("stage")
+    p = with_config(
+        sub.add_parser("run", help="build one artifact outside Snakemake (same function, same key)")
+    )
+    p.add_argument("target", help="artifact name (see `mixquant paths`) or a stage with a single artifact")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("schema", help="print (or --write) the config JSON schema, or its key table")

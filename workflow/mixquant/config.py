@@ -22,6 +22,20 @@ from mixquant.model.toy_settings import ToyArchitecture, ToyTokenizer, ToyTraini
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 COMMIT_PATTERN = r"^[0-9a-f]{40}$"
 Sha256 = Annotated[str, Field(pattern=SHA256_PATTERN)]
+Format = Literal["nvfp4_w4a16", "fp8", "bf16"]
+LAYER_RANGE_PATTERN = r"^\d+(-\d+)?(,\d+(-\d+)?)*$"
+
+
+def parse_layer_ranges(text: str) -> list[int]:
+    """'1-4,7' -> [1, 2, 3, 4, 7] (inclusive ranges, sorted, no duplicates)."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        start, stop = int(first), int(last or first)
+        if stop < start:
+            raise ValueError(f"layer range {part!r} runs backwards")
+        layers.update(range(start, stop + 1))
+    return sorted(layers)
 
 
 class ConfigError(ValueError):
@@ -77,6 +91,11 @@ class ModelSection(Strict):
     trust_remote_code: bool = Field(
         default=False, description="Allow the model's own code; only honoured with a pinned hub revision."
     )
+    moe_layers: Annotated[str, Field(pattern=LAYER_RANGE_PATTERN)] | None = Field(
+        default=None,
+        description="MoE layer indices of a real model, e.g. '1-47' (planning needs them without weights); "
+        "derived from the geometry for the toy.",
+    )
 
     @model_validator(mode="after")
     def _selected_present(self) -> ModelSection:
@@ -84,6 +103,8 @@ class ModelSection(Strict):
             raise ValueError("source is 'hub' but model.hub is not set")
         if self.source == "local" and self.local is None:
             raise ValueError("source is 'local' but model.local is not set")
+        if self.source != "toy" and self.moe_layers is None:
+            raise ValueError("model.moe_layers must name the MoE layers of a real model (e.g. '1-47')")
         if self.trust_remote_code and (self.source != "hub" or self.hub is None or self.hub.revision is None):
             raise ValueError("trust_remote_code needs a hub source with a pinned revision")
         return self
@@ -181,6 +202,30 @@ class PromptSection(Strict):
 # ------------------------------------------------------------- later stages (recorded, validated)
 
 
+class LayerFormat(Strict):
+    layers: Annotated[str, Field(pattern=LAYER_RANGE_PATTERN)] = Field(
+        description="MoE layer indices, inclusive ranges: '1-39', '40,41', '43-47'."
+    )
+    format: Format = Field(description="Format of those layers' routed experts.")
+
+
+class ExplicitPlacement(Strict):
+    default_format: Format = Field(
+        default="bf16", description="Format of MoE layers that no entry of `layers` names."
+    )
+    layers: list[LayerFormat] = Field(default_factory=list, description="Layer ranges and their formats.")
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> ExplicitPlacement:
+        seen: set[int] = set()
+        for entry in self.layers:
+            overlap = seen.intersection(parse_layer_ranges(entry.layers))
+            if overlap:
+                raise ValueError(f"layer {min(overlap)} is placed twice")
+            seen.update(parse_layer_ranges(entry.layers))
+        return self
+
+
 class PlacementSection(Strict):
     formats: list[Literal["nvfp4_w4a16", "fp8", "bf16"]] = Field(
         default_factory=lambda: ["nvfp4_w4a16", "fp8", "bf16"],
@@ -194,6 +239,36 @@ class PlacementSection(Strict):
         default="numel", description="Bit cost per group: plain numel, or ModelOpt's active-MoE weighting."
     )
     recipe: str | None = Field(default=None, description="ModelOpt recipe the settings mirror (provenance).")
+    source: Literal["explicit"] = Field(
+        default="explicit",
+        description="explicit: the `explicit` map below (the KL-guided search is a later stage).",
+    )
+    explicit: ExplicitPlacement = Field(
+        default_factory=ExplicitPlacement, description="Explicit layer -> format placement."
+    )
+
+
+class Nvfp4Params(Strict):
+    calibration: Literal["fp8_sweep", "mse", "max"] = Field(
+        default="fp8_sweep",
+        description="Per-16-block E4M3 scales: fp8_sweep (ModelOpt mse + fp8_scale_sweep over the 126 E4M3 "
+        "codes), mse (ModelOpt's multiplier search 0.25..4.0), max (block amax).",
+    )
+
+
+class Fp8Params(Strict):
+    weight_calibration: Literal["mse", "max"] = Field(
+        default="mse",
+        description="Per-tensor weight scale: mse (ModelOpt's multiplier sweep) or max (amax/448).",
+    )
+
+
+class QuantizeSection(Strict):
+    nvfp4_w4a16: Nvfp4Params = Field(default_factory=Nvfp4Params, description="NVFP4 W4A16 parameters.")
+    fp8: Fp8Params = Field(default_factory=Fp8Params, description="FP8 W8A8 (static) parameters.")
+    activation_batch_size: int = Field(
+        default=8, ge=1, description="Sequences per forward when collecting activation statistics."
+    )
 
 
 class KldSection(Strict):
@@ -257,6 +332,7 @@ class MixquantConfig(Strict):
     )
     prompt: PromptSection = Field(default_factory=PromptSection, description="The hash-pinned KLD prompt.")
     placement: PlacementSection = Field(default_factory=PlacementSection, description="Placement search.")
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection, description="Rebuild numerics.")
     kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
     published: PublishedHashes = Field(
         default_factory=PublishedHashes, description="Published SHA-256 values."

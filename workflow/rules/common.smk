@@ -4,7 +4,7 @@ import sys
 from snakemake.utils import validate
 
 from mixquant.config import ConfigError, select_workflow_config, validate_config
-from mixquant.keys.artifacts import final_targets, resolve_artifacts
+from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
 
 SELECTED_CONFIG = select_workflow_config(
     config, workflow.overwrite_configfiles, workflow.config_settings.overwrite_config
@@ -46,3 +46,18 @@ def stage_benchmark(name):
 def stage_params(name):
     """JSON-serializable settings and key preimage handed to the rule script."""
     return {"settings": ART[name].settings, "preimage": ART[name].preimage}
+
+
+def layer_artifact(wildcards):
+    return artifact_by_key(ART, wildcards.key)
+
+
+def quantize_layer_inputs(wildcards):
+    """The model, and for FP8 layers the activation statistics."""
+    art = layer_artifact(wildcards)
+    return {role: str(ART[name].path) for role, name in art.upstream.items()}
+
+
+def quantize_layer_params(wildcards):
+    art = layer_artifact(wildcards)
+    return {"settings": art.settings, "preimage": art.preimage}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixquant.config import MixquantConfig
+from mixquant.config import MixquantConfig, parse_layer_ranges
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST
@@ -162,9 +162,77 @@ def resolve_artifacts(cfg: MixquantConfig, hash_cache_dir: Path | None = None) -
         {"prompt": prompt, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
         {"model": "model"},
     )
+    _quantize_artifacts(graph)
     return graph.artifacts
+
+
+def moe_layers(cfg: MixquantConfig) -> list[int]:
+    """MoE layer indices: from the toy geometry, or as the config names them for a real model."""
+    if cfg.model.source == "toy":
+        arch = cfg.model.toy.arch
+        return list(range(arch.num_dense_layers, arch.num_hidden_layers))
+    assert cfg.model.moe_layers is not None
+    return parse_layer_ranges(cfg.model.moe_layers)
+
+
+def placement_from_config(cfg: MixquantConfig) -> dict[int, str]:
+    """MoE layer -> routed-expert format, from the explicit placement (every MoE layer listed)."""
+    layers = moe_layers(cfg)
+    explicit = cfg.placement.explicit
+    placement = dict.fromkeys(layers, explicit.default_format)
+    for entry in explicit.layers:
+        for layer in parse_layer_ranges(entry.layers):
+            if layer not in placement:
+                raise ValueError(f"placement.explicit names layer {layer}, which is not a MoE layer {layers}")
+            placement[layer] = entry.format
+    return placement
+
+
+def layer_artifact_name(layer: int, fmt: str) -> str:
+    return f"layer/{layer}/{fmt}"
+
+
+def _quantize_artifacts(graph: _Graph) -> None:
+    """Activation statistics, then one quantize_layer artifact per (MoE layer, format) placed.
+
+    A layer x format key holds only what that result depends on: the source model, the layer,
+    the format and that format's parameters (and, for FP8 W8A8, the activation statistics). So a
+    new placement reuses every layer x format already computed and an NVFP4 knob moves only NVFP4
+    keys. The source model enters by its key, which covers every layer's weights (conservative:
+    a change to one layer's weights reruns all layers).
+    """
+    cfg = graph.cfg
+    batch = {"batch_size": cfg.quantize.activation_batch_size}
+    graph.add(
+        "activations",
+        "collect_activation_stats",
+        batch,
+        batch,
+        {"model": "model", "calibration": "calibration"},
+    )
+    for layer, fmt in sorted(placement_from_config(cfg).items()):
+        params = {
+            "nvfp4_w4a16": cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
+            "fp8": cfg.quantize.fp8.model_dump(mode="json"),
+            "bf16": {},
+        }[fmt]
+        layer_slice = {"layer": layer, "format": fmt, "params": params}
+        upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
+        graph.add(layer_artifact_name(layer, fmt), "quantize_layer", layer_slice, layer_slice, upstream)
+
+
+def layer_artifacts(artifacts: dict[str, Artifact]) -> list[Artifact]:
+    return [art for art in artifacts.values() if art.stage == "quantize_layer"]
+
+
+def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
+    for art in artifacts.values():
+        if art.key == key:
+            return art
+    raise KeyError(f"no artifact with key {key} in this plan")
 
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
     """Directories `rule all` asks for."""
-    return [str(artifacts[name].path) for name in ("model", "calibration", "prompt")]
+    names = ["model", "calibration", "prompt"] + [art.name for art in layer_artifacts(artifacts)]
+    return [str(artifacts[name].path) for name in names]

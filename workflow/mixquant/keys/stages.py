@@ -65,6 +65,16 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.calibration.prompt", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
             ("transformers", "tokenizers", "datasets"),
         ),
+        StageSpec(
+            "collect_activation_stats",
+            ("mixquant.quantize.activations",),
+            ("torch", "transformers", "safetensors"),
+        ),
+        StageSpec(
+            "quantize_layer",
+            ("mixquant.quantize.layer", "mixquant.formats.nvfp4", "mixquant.formats.fp8"),
+            ("torch", "nvidia-modelopt", "safetensors"),
+        ),
     )
 }
 

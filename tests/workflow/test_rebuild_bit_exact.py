@@ -1,0 +1,64 @@
+"""Issue acceptance: on the trained toy, every tensor quantize_layer produced for a placement that
+mixes NVFP4 W4A16 (fp8 scale sweep), FP8 (MSE) and BF16 equals what ModelOpt's own mtq.quantize +
+export_hf_checkpoint writes for the same placement and algorithm, bit for bit."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from mixquant.calibration.tokens import load_token_ids
+from mixquant.keys.manifest import read_manifest
+from mixquant.model.fetch import resolve_model_dir
+from mixquant.quantize.reference import modelopt_reference_export
+from safetensors import safe_open
+
+pytestmark = pytest.mark.slow
+
+
+def _read_all(paths) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in paths:
+        with safe_open(str(path), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def test_quantize_layer_equals_modelopt_export(built_workdir, tmp_path):
+    wd = built_workdir
+    paths = wd.paths()
+    layers = {name: row for name, row in paths.items() if name.startswith("layer/")}
+    placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
+    assert sorted(set(placement.values())) == ["bf16", "fp8", "nvfp4_w4a16"]
+
+    model_dir = resolve_model_dir(wd.root / paths["model"]["path"])
+    ids = load_token_ids(wd.root / paths["calibration"]["path"] / "calibration.safetensors")
+    config = wd.config()
+    reference_dir = tmp_path / "modelopt"
+    modelopt_reference_export(
+        model_dir,
+        ids,
+        placement,
+        reference_dir,
+        nvfp4_algorithm=config["quantize"]["nvfp4_w4a16"]["calibration"],
+        fp8_weight_algorithm=config["quantize"]["fp8"]["weight_calibration"],
+        batch_size=config["quantize"]["activation_batch_size"],
+    )
+    reference = _read_all(sorted(reference_dir.glob("*.safetensors")))
+
+    compared = 0
+    for name, row in layers.items():
+        layer = int(name.split("/")[1])
+        ours = _read_all([Path(wd.root / row["path"]) / "layer.safetensors"])
+        prefix = f"model.layers.{layer}.mlp.experts."
+        theirs = {key for key in reference if key.startswith(prefix) and key.split(".")[4].isdigit()}
+        assert set(ours) == theirs, name
+        for key, tensor in ours.items():
+            expected = reference[key]
+            assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, key
+            assert torch.equal(
+                tensor.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+            ), key
+            compared += 1
+        assert read_manifest(wd.root / row["path"])["preimage"]["config"]["format"] == placement[layer]
+    # 16 experts x 3 projections: BF16 1 tensor each (2 layers), NVFP4 3 (4 layers), FP8 3 (2 layers)
+    assert compared == 16 * 3 * (2 * 1 + 4 * 3 + 2 * 3)

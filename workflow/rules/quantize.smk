@@ -1,0 +1,47 @@
+# Rebuild from BF16: activation statistics, then one job per (MoE layer, format) of the placement,
+# each cached under a key of exactly what it depends on (model, layer, format, format params).
+
+
+rule collect_activation_stats:
+    input:
+        model=artifact_path("model"),
+        calibration=artifact_path("calibration"),
+    output:
+        activations=directory(artifact_path("activations")),
+    log:
+        stage_log("activations"),
+    benchmark:
+        stage_benchmark("activations")
+    conda:
+        "../../envs/quant.yaml"
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        stage=stage_params("activations"),
+    script:
+        "../scripts/collect_activation_stats.py"
+
+
+rule quantize_layer:
+    input:
+        unpack(quantize_layer_inputs),
+    output:
+        layer=directory(f"{CFG.results_dir}/quantize_layer/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/quantize_layer/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/quantize_layer/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        stage=quantize_layer_params,
+    script:
+        "../scripts/quantize_layer.py"
