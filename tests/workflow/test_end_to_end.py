@@ -6,6 +6,7 @@ exactly its stage; reverting it reruns nothing and finds the earlier directory.
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,7 +125,7 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     wd = built_workdir
     toy = wd.paths()
     config = wd.config()
-    config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}}
+    config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}, "moe_layers": "1-8"}
     local = wd.write_config("config/local.yaml", config)
     assert wd.plan(local) == {
         "fetch_model": 1,
@@ -149,3 +150,51 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     assert paths["calibration"]["key"] != toy["calibration"]["key"]
     same = [read_manifest(_dir(wd, p, "calibration"))["summary"]["sha256"] for p in (paths, toy)]
     assert same[0] == same[1]
+
+
+def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
+    wd = built_workdir
+    config = wd.config()
+    config["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
+    # calibration, activations, FP8 and BF16 layers stay: 4 NVFP4 layer jobs and nothing else
+    assert wd.plan(wd.write_config("config/nvfp4-max.yaml", config)) == {"quantize_layer": 4}
+
+
+def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
+    wd = built_workdir
+    config = wd.config()
+    config["placement"]["explicit"]["layers"].append({"layers": "8", "format": "nvfp4_w4a16"})
+    moved = wd.write_config("config/layer8-nvfp4.yaml", config)
+    assert wd.plan(moved) == {"quantize_layer": 1}
+    wd.snakemake("--configfile", moved)
+    assert wd.plan() == {}  # the earlier placement's layer 8 (BF16) is still there
+
+
+def test_truncated_source_shard_stops_with_one_line_and_leaves_nothing(built_workdir, tmp_path):
+    wd = built_workdir
+    source = _dir(wd, wd.paths(), "model")
+    broken = tmp_path / "broken-model"
+    shutil.copytree(source, broken)
+    (broken / "manifest.json").unlink()
+    shard = sorted(broken.glob("model-*-of-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    config = wd.config()
+    config["model"] = {"source": "local", "local": {"path": str(broken)}, "moe_layers": "1-8"}
+    name = wd.write_config("config/broken.yaml", config)
+    result = wd.snakemake("--configfile", name, "--keep-going", check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mixquant:")]
+    assert errors and all(shard.name in line for line in errors), result.stderr
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    in_broken_shard = {
+        int(key.split(".")[2])
+        for key, file in index["weight_map"].items()
+        if file == shard.name and ".mlp.experts." in key
+    }
+    assert in_broken_shard
+    paths = wd.paths(name)
+    assert not (wd.root / paths["activations"]["path"]).exists()
+    for artifact, row in paths.items():
+        if artifact.startswith("layer/") and int(artifact.split("/")[1]) in in_broken_shard:
+            assert not (wd.root / row["path"]).exists(), artifact
+    assert not list((wd.root / "results").glob("*/.tmp-*"))

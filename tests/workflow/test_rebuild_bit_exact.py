@@ -50,7 +50,7 @@ def test_quantize_layer_equals_modelopt_export(built_workdir, tmp_path):
         layer = int(name.split("/")[1])
         ours = _read_all([Path(wd.root / row["path"]) / "layer.safetensors"])
         prefix = f"model.layers.{layer}.mlp.experts."
-        theirs = {key for key in reference if key.startswith(prefix) and key.split(".")[4].isdigit()}
+        theirs = {key for key in reference if key.startswith(prefix) and key.split(".")[5].isdigit()}
         assert set(ours) == theirs, name
         for key, tensor in ours.items():
             expected = reference[key]

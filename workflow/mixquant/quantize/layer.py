@@ -140,7 +140,7 @@ def _expert_prefix(layer: int, expert: int, proj: str) -> str:
 # ----------------------------------------------------------------------------------------- reading
 
 
-def _read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     """Parse and sanity-check a safetensors header without reading tensor data.
 
     Returns ``{name: {"dtype", "shape", "data_offsets"}}``. Raises :class:`QuantizeInputError` naming the
@@ -192,6 +192,19 @@ def _read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     return header
 
 
+def check_checkpoint_shards(model_dir: Path) -> int:
+    """Validate every safetensors shard's header and size before a whole-model load.
+
+    Whole-model readers (the activation-statistics forward) call this first so that a truncated or
+    corrupt shard stops them with one line naming the file, as it stops quantize_layer.
+    Returns the number of shards checked.
+    """
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    for shard in shards:
+        read_safetensors_header(shard)
+    return len(shards)
+
+
 def _load_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -224,7 +237,7 @@ class _LayerSource:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise QuantizeInputError(f"layer {self.layer}: tensor {missing[0]} is missing from {where}{more}")
         self.files = {name: self.model_dir / weight_map[name] for name in names}
-        headers = {path: _read_safetensors_header(path) for path in sorted(set(self.files.values()))}
+        headers = {path: read_safetensors_header(path) for path in sorted(set(self.files.values()))}
         self.specs: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, path in self.files.items():
             info = headers[path].get(name)
@@ -247,7 +260,7 @@ class _LayerSource:
             return {str(k): str(v) for k, v in weight_map.items()}, index
         single = self.model_dir / SINGLE_FILE
         if single.exists():
-            return dict.fromkeys(_read_safetensors_header(single), SINGLE_FILE), single
+            return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
         raise QuantizeInputError(f"{self.model_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
     def _num_experts(self, weight_map: Mapping[str, str], where: Path) -> int:

@@ -23,9 +23,12 @@ def run_collect_activation_stats(
     """One BF16 forward over the calibration tokens recording expert-input and K/V amax."""
     from mixquant.calibration.tokens import load_token_ids
     from mixquant.quantize.activations import collect_activation_stats, save_activation_stats
+    from mixquant.quantize.layer import check_checkpoint_shards
 
     ids = load_token_ids(Path(calibration) / "calibration.safetensors")
-    stats = collect_activation_stats(resolve_model_dir(model), ids, batch_size=settings["batch_size"])
+    model_dir = resolve_model_dir(model)
+    check_checkpoint_shards(model_dir)
+    stats = collect_activation_stats(model_dir, ids, batch_size=settings["batch_size"])
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         save_activation_stats(stats, tmp)
