@@ -13,6 +13,7 @@ include: "workflow/rules/model.smk"
 include: "workflow/rules/calibration.smk"
 include: "workflow/rules/prompt.smk"
 include: "workflow/rules/quantize.smk"
+include: "workflow/rules/export.smk"
 
 
 rule all:

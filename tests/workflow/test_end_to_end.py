@@ -67,7 +67,12 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     config["calibration"]["num_samples"] = 16
     changed = wd.write_config("config/fewer-samples.yaml", config)
     # Nothing upstream reruns; downstream, only what reads calibration (activations, FP8 layers).
-    assert wd.plan(changed) == {"sample_calibration": 1, "collect_activation_stats": 1, "quantize_layer": 2}
+    assert wd.plan(changed) == {
+        "sample_calibration": 1,
+        "collect_activation_stats": 1,
+        "quantize_layer": 2,
+        "export_checkpoint": 1,
+    }
     wd.snakemake("--configfile", changed)
     after = wd.paths(changed)
     assert after["model"] == before["model"] and after["prompt"] == before["prompt"]
@@ -133,6 +138,7 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
         "pin_prompt": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 8,
+        "export_checkpoint": 1,
     }
     wd.snakemake("--configfile", local)
     paths = wd.paths(local)
@@ -157,7 +163,10 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
     config = wd.config()
     config["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
     # calibration, activations, FP8 and BF16 layers stay: 4 NVFP4 layer jobs and nothing else
-    assert wd.plan(wd.write_config("config/nvfp4-max.yaml", config)) == {"quantize_layer": 4}
+    assert wd.plan(wd.write_config("config/nvfp4-max.yaml", config)) == {
+        "quantize_layer": 4,
+        "export_checkpoint": 1,
+    }
 
 
 def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
@@ -165,7 +174,7 @@ def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
     config = wd.config()
     config["placement"]["explicit"]["layers"].append({"layers": "8", "format": "nvfp4_w4a16"})
     moved = wd.write_config("config/layer8-nvfp4.yaml", config)
-    assert wd.plan(moved) == {"quantize_layer": 1}
+    assert wd.plan(moved) == {"quantize_layer": 1, "export_checkpoint": 1}
     wd.snakemake("--configfile", moved)
     assert wd.plan() == {}  # the earlier placement's layer 8 (BF16) is still there
 

@@ -8,6 +8,7 @@ TOY_DAG = {
     "pin_prompt": 1,
     "collect_activation_stats": 1,
     "quantize_layer": 8,  # one job per MoE layer of the toy, in its placed format
+    "export_checkpoint": 1,
 }
 
 
@@ -22,6 +23,7 @@ def test_reference_config_plans_without_weights(workdir):
         "pin_prompt": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 47,
+        "export_checkpoint": 1,
     }
     paths = workdir.paths("config/laguna-s-2.1.yaml")
     assert paths["model"]["path"].startswith("results/fetch_model/")

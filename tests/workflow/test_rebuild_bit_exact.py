@@ -2,6 +2,7 @@
 mixes NVFP4 W4A16 (fp8 scale sweep), FP8 (MSE) and BF16 equals what ModelOpt's own mtq.quantize +
 export_hf_checkpoint writes for the same placement and algorithm, bit for bit."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,63 @@ def test_quantize_layer_equals_modelopt_export(built_workdir, tmp_path):
         assert read_manifest(wd.root / row["path"])["preimage"]["config"]["format"] == placement[layer]
     # 16 experts x 3 projections: BF16 1 tensor each (2 layers), NVFP4 3 (4 layers), FP8 3 (2 layers)
     assert compared == 16 * 3 * (2 * 1 + 4 * 3 + 2 * 3)
+
+
+def _without_producer(data: dict) -> dict:
+    data = json.loads(json.dumps(data))
+    data.pop("producer", None)
+    if isinstance(data.get("quantization"), dict):
+        data["quantization"].pop("producer", None)
+    if isinstance(data.get("quantization_config"), dict):
+        data["quantization_config"].pop("producer", None)
+    return data
+
+
+def test_export_equals_modelopt_export_and_audit_agrees(built_workdir, tmp_path):
+    """Issue 4 acceptance: the export equals ModelOpt's export_hf_checkpoint for the same placement
+    and algorithm (tensor names, dtypes, shapes, bytes; JSON apart from producer fields), and the
+    audit agrees with `mixquant predict` and with an independent count from the safetensors headers."""
+    wd = built_workdir
+    paths = wd.paths()
+    layers = {name for name in paths if name.startswith("layer/")}
+    placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
+    model_dir = resolve_model_dir(wd.root / paths["model"]["path"])
+    ids = load_token_ids(wd.root / paths["calibration"]["path"] / "calibration.safetensors")
+    config = wd.config()
+    reference_dir = tmp_path / "modelopt"
+    modelopt_reference_export(
+        model_dir,
+        ids,
+        placement,
+        reference_dir,
+        nvfp4_algorithm=config["quantize"]["nvfp4_w4a16"]["calibration"],
+        fp8_weight_algorithm=config["quantize"]["fp8"]["weight_calibration"],
+        batch_size=config["quantize"]["activation_batch_size"],
+    )
+    export_dir = wd.root / paths["checkpoint"]["path"]
+    ours = _read_all(sorted(export_dir.glob("*.safetensors")))
+    theirs = _read_all(sorted(reference_dir.glob("*.safetensors")))
+    assert set(ours) == set(theirs)
+    for key, tensor in ours.items():
+        expected = theirs[key]
+        assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, key
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), key
+
+    def load(directory, name):
+        return json.loads((directory / name).read_text())
+
+    assert _without_producer(load(export_dir, "hf_quant_config.json")) == _without_producer(
+        load(reference_dir, "hf_quant_config.json")
+    )
+    assert load(export_dir, "hf_quant_config.json")["producer"]["numerics"]["name"] == "modelopt"
+    ours_cfg = _without_producer(load(export_dir, "config.json"))
+    for key, value in _without_producer(load(reference_dir, "config.json")).items():
+        if key != "transformers_version":  # ModelOpt re-serialises with the installed transformers
+            assert ours_cfg.get(key) == value, key
+
+    audit = json.loads((export_dir / "checkpoint_audit.json").read_text())
+    assert all(audit["agreement"].values())
+    inspected = json.loads(wd.mixquant("inspect", str(export_dir), "--json").stdout)
+    assert inspected["tensors"]["total"] == len(ours) == audit["predicted"]["tensors"]["total"]
+    assert inspected["payload_bytes"] == sum(t.numel() * t.element_size() for t in ours.values())
+    assert inspected["payload_bytes"] == audit["predicted"]["payload_bytes"]

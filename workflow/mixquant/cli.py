@@ -173,6 +173,7 @@ STAGE_RUNNERS = {
     "pin_prompt": "mixquant.calibration.run:run_pin_prompt",
     "collect_activation_stats": "mixquant.quantize.run:run_collect_activation_stats",
     "quantize_layer": "mixquant.quantize.run:run_quantize_layer",
+    "export_checkpoint": "mixquant.export.run:run_export_checkpoint",
 }
 
 
@@ -197,6 +198,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = getattr(importlib.import_module(module), function)
     paths = {role: up.path for role, up in upstream.items()}
     print(runner(art.path, **paths, settings=art.settings, preimage=art.preimage))
+    return 0
+
+
+# --------------------------------------------------------------------------------- inspect, predict
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Audit any ModelOpt checkpoint directory from its headers, index and JSON files."""
+    from mixquant.export.inspect import format_inspection, inspect_checkpoint
+
+    report = inspect_checkpoint(args.directory)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_inspection(report))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predict tensor count, payload bytes and effective routed bits from config.json alone."""
+    from mixquant.export.predict import (
+        format_prediction,
+        load_placement,
+        parse_placement_counts,
+        predict_structure,
+    )
+
+    config = json.loads(Path(args.model_config).read_text("utf-8"))
+    counts = parse_placement_counts(args.placement_counts) if args.placement_counts else None
+    placement = load_placement(args.placement) if args.placement else None
+    kv = None if args.kv_cache_quant == "none" else args.kv_cache_quant
+    report = predict_structure(config, counts, placement, kv_cache_quant=kv)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_prediction(report))
     return 0
 
 
@@ -245,6 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", help="artifact name (see `mixquant paths`) or a stage with a single artifact")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("inspect", help="audit a ModelOpt checkpoint directory (any producer)")
+    p.add_argument("directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("predict", help="predict an export's structure from config.json and a placement")
+    p.add_argument("--model-config", required=True, metavar="CONFIG_JSON")
+    placement = p.add_mutually_exclusive_group(required=True)
+    placement.add_argument("--placement-counts", metavar="nvfp4_w4a16=39,fp8=3,bf16=5")
+    placement.add_argument("--placement", metavar="PLACEMENT_JSON")
+    p.add_argument("--kv-cache-quant", default="FP8", choices=["FP8", "none"], help="KV-cache scales (FP8)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("schema", help="print (or --write) the config JSON schema, or its key table")
     p.add_argument("--write", metavar="PATH")

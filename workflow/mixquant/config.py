@@ -271,6 +271,26 @@ class QuantizeSection(Strict):
     )
 
 
+class ExportSection(Strict):
+    num_shards: int | None = Field(
+        default=None, ge=1, description="Safetensors shards of the export (whole layers per shard)."
+    )
+    max_shard_bytes: int | None = Field(
+        default=None, ge=1, description="Or: maximum bytes per shard (default 5 GB when neither is set)."
+    )
+    kv_cache_quant: Literal["fp8"] | None = Field(
+        default=None,
+        description="fp8: write static k_scale/v_scale per layer from the activation statistics "
+        "(kv_cache_quant_algo FP8); null: no KV-cache scales.",
+    )
+
+    @model_validator(mode="after")
+    def _one_shard_rule(self) -> ExportSection:
+        if self.num_shards is not None and self.max_shard_bytes is not None:
+            raise ValueError("set num_shards or max_shard_bytes, not both")
+        return self
+
+
 class KldSection(Strict):
     engine: Literal["hf", "vllm"] = Field(
         default="hf", description="Engine for reference and candidate logits."
@@ -333,6 +353,7 @@ class MixquantConfig(Strict):
     prompt: PromptSection = Field(default_factory=PromptSection, description="The hash-pinned KLD prompt.")
     placement: PlacementSection = Field(default_factory=PlacementSection, description="Placement search.")
     quantize: QuantizeSection = Field(default_factory=QuantizeSection, description="Rebuild numerics.")
+    export: ExportSection = Field(default_factory=ExportSection, description="The exported checkpoint.")
     kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
     published: PublishedHashes = Field(
         default_factory=PublishedHashes, description="Published SHA-256 values."

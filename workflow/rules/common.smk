@@ -61,3 +61,8 @@ def quantize_layer_inputs(wildcards):
 def quantize_layer_params(wildcards):
     art = layer_artifact(wildcards)
     return {"settings": art.settings, "preimage": art.preimage}
+
+
+def export_inputs(wildcards):
+    """The model, every placed layer x format result (layer_L), and activations for KV scales."""
+    return {role: str(ART[name].path) for role, name in ART["checkpoint"].upstream.items()}

@@ -219,6 +219,24 @@ def _quantize_artifacts(graph: _Graph) -> None:
         layer_slice = {"layer": layer, "format": fmt, "params": params}
         upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
         graph.add(layer_artifact_name(layer, fmt), "quantize_layer", layer_slice, layer_slice, upstream)
+    _export_artifact(graph)
+
+
+def _export_artifact(graph: _Graph) -> None:
+    """The checkpoint: the source model plus every placed layer x format result (and KV amax)."""
+    from mixquant.export.checkpoint import default_producer
+
+    cfg = graph.cfg
+    placement = {str(layer): fmt for layer, fmt in sorted(placement_from_config(cfg).items())}
+    export = cfg.export.model_dump(mode="json")
+    config_slice = {"export": export, "placement": placement, "producer": default_producer()}
+    upstream = {"model": "model"}
+    upstream.update(
+        {f"layer_{layer}": layer_artifact_name(int(layer), fmt) for layer, fmt in placement.items()}
+    )
+    if export["kv_cache_quant"]:
+        upstream["activations"] = "activations"
+    graph.add("checkpoint", "export_checkpoint", config_slice, config_slice, upstream)
 
 
 def layer_artifacts(artifacts: dict[str, Artifact]) -> list[Artifact]:
@@ -234,5 +252,4 @@ def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
     """Directories `rule all` asks for."""
-    names = ["model", "calibration", "prompt"] + [art.name for art in layer_artifacts(artifacts)]
-    return [str(artifacts[name].path) for name in names]
+    return [str(artifacts[name].path) for name in ("model", "calibration", "prompt", "checkpoint")]

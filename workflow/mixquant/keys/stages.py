@@ -75,6 +75,12 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.quantize.layer", "mixquant.formats.nvfp4", "mixquant.formats.fp8"),
             ("torch", "nvidia-modelopt", "safetensors"),
         ),
+        # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
+        StageSpec(
+            "export_checkpoint",
+            ("mixquant.export.checkpoint", "mixquant.export.inspect", "mixquant.export.predict"),
+            ("nvidia-modelopt", "safetensors", "transformers"),
+        ),
     )
 }
 

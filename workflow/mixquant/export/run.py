@@ -1,0 +1,85 @@
+"""Stage entry point for export_checkpoint (rule script and the CLI call it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mixquant.keys.manifest import publish_keyed_dir
+from mixquant.model.fetch import resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+AUDIT_FILE = "checkpoint_audit.json"
+
+
+def checkpoint_audit(
+    export_dir: Path, placement: dict[int, str], kv_cache: str | None, producer: dict
+) -> dict:
+    """The audit shipped with the export: what the files hold, what config.json predicts, and whether
+    the two agree (tensor counts, payload bytes, effective routed bits, per-layer formats)."""
+    from mixquant.export.inspect import inspect_checkpoint
+    from mixquant.export.predict import predict_structure
+
+    inspection = inspect_checkpoint(export_dir)
+    config = json.loads((export_dir / "config.json").read_text("utf-8"))
+    predicted = predict_structure(config, placement=placement, kv_cache_quant="FP8" if kv_cache else None)
+    agreement = {
+        "tensors": inspection["tensors"]["total"] == predicted["tensors"]["total"],
+        "payload_bytes": inspection["payload_bytes"] == predicted["payload_bytes"],
+        "routed_effective_bits": inspection["routed_effective_bits"] == predicted["routed_effective_bits"],
+        "layer_formats": inspection["layer_formats"] == predicted["layer_formats"],
+    }
+    return {
+        "producer": producer,
+        "inspection": inspection,
+        "predicted": predicted,
+        "agreement": agreement,
+    }
+
+
+def run_export_checkpoint(
+    out_dir: str | Path,
+    *,
+    model: str | Path,
+    activations: str | Path | None = None,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
+    **layers: str | Path,
+) -> Path:
+    """Assemble, shard and audit the ModelOpt MIXED_PRECISION checkpoint (`layers`: layer_L -> dir)."""
+    from mixquant.export.checkpoint import export_checkpoint
+
+    placement = {int(layer): fmt for layer, fmt in settings["placement"].items()}
+    layer_dirs = {layer: (fmt, Path(layers[f"layer_{layer}"])) for layer, fmt in placement.items()}
+    export = settings["export"]
+    kv_amax = None
+    if export["kv_cache_quant"]:
+        from mixquant.quantize.activations import load_activation_stats
+
+        kv_amax = load_activation_stats(Path(activations))
+    model_dir = resolve_model_dir(model)
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+        result = export_checkpoint(
+            model_dir,
+            layer_dirs,
+            tmp,
+            tokenizer_dir=model_dir,
+            num_shards=export["num_shards"],
+            max_shard_bytes=export["max_shard_bytes"],
+            kv_cache=export["kv_cache_quant"],
+            kv_amax=kv_amax,
+            producer=settings["producer"],
+        )
+        audit = checkpoint_audit(tmp, placement, export["kv_cache_quant"], settings["producer"])
+        if not all(audit["agreement"].values()):
+            raise RuntimeError(f"checkpoint audit disagrees with the prediction: {audit['agreement']}")
+        (tmp / AUDIT_FILE).write_text(
+            json.dumps(audit, indent=2, sort_keys=True, default=str) + "\n", "utf-8"
+        )
+        summary.update(export=result, agreement=audit["agreement"])
+    log.info("exported %s", out_dir)
+    return Path(out_dir)
