@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,27 @@ def checkpoint_audit(
     }
 
 
+def tokenizer_source_dir(tokenizer: dict[str, Any], model_dir: Path, scratch: Path) -> Path:
+    """Where the export copies tokenizer files from: the model, or a pinned hub revision (the
+    reference release takes its tokenizer from another BF16 revision than its weights)."""
+    if tokenizer["source"] == "model":
+        return model_dir
+    if tokenizer.get("revision") is None:
+        raise ValueError(f"tokenizer {tokenizer['repo']}: refusing an unpinned revision")
+    from huggingface_hub import snapshot_download
+
+    from mixquant.export.checkpoint import TOKENIZER_FILES
+
+    return Path(
+        snapshot_download(
+            tokenizer["repo"],
+            revision=tokenizer["revision"],
+            allow_patterns=list(TOKENIZER_FILES) + ["generation_config.json"],
+            local_dir=scratch,
+        )
+    )
+
+
 def run_export_checkpoint(
     out_dir: str | Path,
     *,
@@ -62,12 +84,13 @@ def run_export_checkpoint(
         kv_amax = load_activation_stats(Path(activations))
     model_dir = resolve_model_dir(model)
     summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp, tempfile.TemporaryDirectory() as scratch:
+        tokenizer_dir = tokenizer_source_dir(settings["tokenizer"], model_dir, Path(scratch))
         result = export_checkpoint(
             model_dir,
             layer_dirs,
             tmp,
-            tokenizer_dir=model_dir,
+            tokenizer_dir=tokenizer_dir,
             num_shards=export["num_shards"],
             max_shard_bytes=export["max_shard_bytes"],
             kv_cache=export["kv_cache_quant"],

@@ -229,7 +229,13 @@ def _export_artifact(graph: _Graph) -> None:
     cfg = graph.cfg
     placement = {str(layer): fmt for layer, fmt in sorted(placement_from_config(cfg).items())}
     export = cfg.export.model_dump(mode="json")
-    config_slice = {"export": export, "placement": placement, "producer": default_producer()}
+    tokenizer_slice, _ = _tokenizer_identity(cfg)
+    config_slice = {
+        "export": export,
+        "placement": placement,
+        "producer": default_producer(),
+        "tokenizer": tokenizer_slice,
+    }
     upstream = {"model": "model"}
     upstream.update(
         {f"layer_{layer}": layer_artifact_name(int(layer), fmt) for layer, fmt in placement.items()}
