@@ -54,6 +54,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mixquant.export.predict import DTYPE_BYTES
 from mixquant.formats.cpu_fake_quant import nvfp4_static_qdq
 from mixquant.formats.fp8 import FP8_E4M3_MAX, fp8_export_tensors, fp8_max_amax, fp8_mse_weight_amax
 from mixquant.formats.nvfp4 import (
@@ -99,24 +100,7 @@ _WEIGHT_SUFFIX = ".weight"
 # Accepted spellings of the two layer-shared activation amaxes (the first is canonical).
 _AMAX_KEYS = {"gate_up": ("gate_up", "gate_up_input_amax"), "down": ("down", "down_input_amax")}
 # Element sizes of safetensors dtypes (for the truncation check; unknown dtypes skip the size check).
-_ST_DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
+_ST_DTYPE_BYTES = DTYPE_BYTES
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _MSE_CHUNK_BLOCKS = 1 << 16  # NVFP4 multiplier MSE: blocks per ModelOpt calibrator (~4 MiB fp32 input)
 
