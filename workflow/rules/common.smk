@@ -65,4 +65,6 @@ def quantize_layer_params(wildcards):
 
 def export_inputs(wildcards):
     """The model, every placed layer x format result (layer_L), and activations for KV scales."""
-    return {role: str(ART[name].path) for role, name in ART["checkpoint"].upstream.items()}
+    return {
+        role: str(ART[name].path) for role, name in ART["checkpoint"].upstream.items()
+    }
