@@ -98,6 +98,7 @@ from mixquant.model.layout import (
     mlp_layer_types,
     natural_key,
     shard_file_name,
+    shard_groups,
     write_json,
 )
 from mixquant.quantize.layer import (
@@ -700,15 +701,8 @@ class _Sized:
 
 
 def _groups(names: Iterable[str]) -> list[list[str]]:
-    """assign_shards' groups: embedding (+ other non-layer names before it), each layer, the rest."""
-    names = sorted(names, key=natural_key)
-    head = [n for n in names if layer_of(n) is None and "embed_tokens" in n]
-    tail = [n for n in names if layer_of(n) is None and "embed_tokens" not in n]
-    layers: dict[int, list[str]] = {}
-    for n in names:
-        if (layer := layer_of(n)) is not None:
-            layers.setdefault(layer, []).append(n)
-    return [g for g in [head, *(layers[k] for k in sorted(layers)), tail] if g]
+    """assign_shards' groups (layout.shard_groups): embedding, each layer, the rest."""
+    return shard_groups(names)
 
 
 def _plan_shards(

@@ -173,6 +173,19 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def shard_groups(names) -> list[list[str]]:
+    """Names grouped so a shard never splits them: embedding (+ other non-layer names before it),
+    each decoder layer, then the rest; natural order inside each group."""
+    names = sorted(names, key=natural_key)
+    head = [n for n in names if layer_of(n) is None and "embed_tokens" in n]
+    tail = [n for n in names if layer_of(n) is None and "embed_tokens" not in n]
+    layers: dict[int, list[str]] = {}
+    for n in names:
+        if (layer := layer_of(n)) is not None:
+            layers.setdefault(layer, []).append(n)
+    return [g for g in [head, *(layers[k] for k in sorted(layers)), tail] if g]
+
+
 def assign_shards(tensors: Mapping[str, torch.Tensor], num_shards: int) -> list[list[str]]:
     """Split names into `num_shards` contiguous groups of whole layers, balanced by bytes.
 
@@ -182,14 +195,7 @@ def assign_shards(tensors: Mapping[str, torch.Tensor], num_shards: int) -> list[
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    names = sorted(tensors, key=natural_key)
-    head = [n for n in names if layer_of(n) is None and "embed_tokens" in n]
-    tail = [n for n in names if layer_of(n) is None and "embed_tokens" not in n]
-    layers: dict[int, list[str]] = {}
-    for n in names:
-        if (layer := layer_of(n)) is not None:
-            layers.setdefault(layer, []).append(n)
-    groups = [g for g in [head, *(layers[k] for k in sorted(layers)), tail] if g]
+    groups = shard_groups(tensors)
     if num_shards > len(groups):
         raise ValueError(f"num_shards={num_shards} exceeds the {len(groups)} shardable groups")
     sizes = [sum(tensor_nbytes(tensors[n]) for n in g) for g in groups]
