@@ -13,6 +13,7 @@ include: "workflow/rules/model.smk"
 include: "workflow/rules/calibration.smk"
 include: "workflow/rules/prompt.smk"
 include: "workflow/rules/quantize.smk"
+include: "workflow/rules/search.smk"
 include: "workflow/rules/export.smk"
 
 
@@ -20,3 +21,4 @@ rule all:
     default_target: True
     input:
         all_targets,
+        placed_targets,

@@ -13,7 +13,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def raw():
-    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    """The default config with its explicit placement (the rebuild graph is then known up front)."""
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["placement"]["source"] = "explicit"
+    return config
+
+
+@pytest.fixture(scope="module")
+def raw_search():
+    """The default config as shipped: the KL-sensitivity search decides the placement."""
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert config["placement"]["source"] == "search"
+    return config
 
 
 def keys(raw_config):
@@ -98,3 +109,115 @@ def test_preimage_names_code_and_packages(raw):
     assert set(preimage) == {"key_schema", "stage", "config", "upstream", "code", "packages"}
     assert "mixquant.calibration.sample" in preimage["code"]
     assert preimage["packages"]["transformers"].startswith("5.24")
+
+
+# ------------------------------------------------------------------------------------------ search
+
+
+def edited_placement(raw_config, **values):
+    out = copy.deepcopy(raw_config)
+    for key, value in values.items():
+        if key in ("method", "calibration", "pins", "layers_per_job", "batch_size"):
+            out["placement"]["search"][key] = value
+        else:
+            out["placement"][key] = value
+    return out
+
+
+def test_search_graph_ends_at_the_placement_until_it_is_solved(raw_search):
+    art = resolve_artifacts(validate_config(raw_search))
+    scores = sorted(name for name, a in art.items() if a.stage == "score_sensitivity")
+    # 8 MoE layers in chunks of 4, per scored format (bf16 is the reference: score 0, no job)
+    assert scores == ["scores/fp8/1-4", "scores/fp8/5-8", "scores/nvfp4_w4a16/1-4", "scores/nvfp4_w4a16/5-8"]
+    layers = sorted(name for name, a in art.items() if a.stage == "quantize_layer")
+    assert layers == sorted(f"layer/{layer}/{fmt}" for layer in range(1, 9) for fmt in ("fp8", "nvfp4_w4a16"))
+    assert "checkpoint" not in art
+    placement = art["placement"]
+    assert placement.stage == "solve_placement"
+    assert set(placement.upstream) == {"model"} | {
+        f"scores_{fmt}_{i}" for fmt in ("fp8", "nvfp4_w4a16") for i in (1, 5)
+    }
+    # a score job reads exactly its own layers' results in its format
+    assert art["scores/fp8/5-8"].upstream == {
+        "model": "model",
+        "calibration": "calibration",
+        **{f"layer_{layer}": f"layer/{layer}/fp8" for layer in range(5, 9)},
+    }
+
+
+def test_search_scores_the_weights_the_rebuild_ships(raw_search, raw):
+    """calibration: rebuild -> the scored layer x format results are the rebuild's own (same keys)."""
+    search, explicit = keys(raw_search), keys(raw)
+    for name in ("layer/1/nvfp4_w4a16", "layer/5/fp8"):
+        assert search[name] == explicit[name]
+
+
+def test_max_calibration_scores_modelopt_fake_quant_of_the_bf16_weights(raw_search):
+    art = resolve_artifacts(validate_config(edited_placement(raw_search, calibration="max")))
+    assert art["scores/fp8/5-8"].upstream == {
+        "model": "model",
+        "calibration": "calibration",
+        "activations": "activations",
+    }
+    assert art["scores/nvfp4_w4a16/1-4"].upstream == {"model": "model", "calibration": "calibration"}
+    assert art["scores/fp8/5-8"].settings["weights"] == "max"
+    assert not any(a.stage == "quantize_layer" for a in art.values())  # nothing is rebuilt to search
+    assert art["scores/fp8/5-8"].key != resolve_artifacts(validate_config(raw_search))["scores/fp8/5-8"].key
+
+
+def test_budget_or_solver_change_moves_only_the_placement(raw_search):
+    base = keys(raw_search)
+    for change in ({"target_effective_bits": 6.0}, {"method": "minimax"}, {"cost_model": "active_moe"}):
+        assert moved(base, keys(edited_placement(raw_search, **change))) == ["placement"], change
+
+
+def test_adding_a_format_adds_only_its_scoring(raw_search):
+    without = keys(edited_placement(raw_search, formats=["nvfp4_w4a16", "bf16"]))
+    with_fp8 = keys(raw_search)
+    added = sorted(set(with_fp8) - set(without))
+    assert added == ["layer/5/fp8", "layer/6/fp8", "layer/7/fp8", "layer/8/fp8"][:0] + sorted(
+        [f"layer/{layer}/fp8" for layer in range(1, 9)] + ["scores/fp8/1-4", "scores/fp8/5-8"]
+    )
+    assert not set(without) - set(with_fp8)
+    assert moved(without, with_fp8) == ["placement"]  # every nvfp4 score and layer key is unchanged
+
+
+def test_pinned_layers_are_scored_only_in_their_format(raw_search):
+    pinned = edited_placement(
+        raw_search, pins=[{"layers": "8", "format": "bf16"}, {"layers": "1", "format": "fp8"}]
+    )
+    art = resolve_artifacts(validate_config(pinned))
+    assert art["scores/nvfp4_w4a16/2-4"].settings["layers"] == [2, 3, 4]
+    assert art["scores/nvfp4_w4a16/5-7"].settings["layers"] == [5, 6, 7]
+    assert art["scores/fp8/1-4"].settings["layers"] == [1, 2, 3, 4]
+    assert art["scores/fp8/5-7"].settings["layers"] == [5, 6, 7]
+    assert art["placement"].settings["pins"] == {"1": "fp8", "8": "bf16"}
+
+
+def test_pins_must_be_candidates_and_moe_layers(raw_search):
+    from mixquant.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not a candidate format"):
+        validate_config(
+            edited_placement(
+                raw_search, formats=["nvfp4_w4a16", "bf16"], pins=[{"layers": "3", "format": "fp8"}]
+            )
+        )
+    with pytest.raises(ValueError, match="layer 12, which is not a MoE layer"):
+        resolve_artifacts(
+            validate_config(edited_placement(raw_search, pins=[{"layers": "12", "format": "bf16"}]))
+        )
+
+
+def test_checkpoint_follows_the_placement_content_not_the_budget(raw_search, raw):
+    placement = {1: "nvfp4_w4a16", 2: "nvfp4_w4a16", 3: "nvfp4_w4a16", 4: "nvfp4_w4a16", 5: "fp8", 6: "fp8"}
+    placement.update({7: "bf16", 8: "bf16"})
+    a = resolve_artifacts(validate_config(raw_search), placement=placement)
+    b = resolve_artifacts(
+        validate_config(edited_placement(raw_search, target_effective_bits=9.5)), placement=placement
+    )
+    assert a["placement"].key != b["placement"].key
+    assert a["checkpoint"].key == b["checkpoint"].key
+    # ... and it is the very checkpoint an explicit placement with the same map gives
+    assert a["checkpoint"].key == resolve_artifacts(validate_config(raw))["checkpoint"].key
+    assert a["layer/7/bf16"].stage == "quantize_layer"

@@ -2,18 +2,34 @@
 
 import pytest
 
+# Up to the solve_placement checkpoint: the rebuild of the placement and the export are planned once
+# Snakemake has the placement (they appear in the plan of a later run).
 TOY_DAG = {
     "build_toy_model": 1,
     "sample_calibration": 1,
     "pin_prompt": 1,
     "collect_activation_stats": 1,
-    "quantize_layer": 8,  # one job per MoE layer of the toy, in its placed format
-    "export_checkpoint": 1,
+    "quantize_layer": 16,  # every MoE layer in NVFP4 and in FP8: the weights the search scores
+    "score_sensitivity": 4,  # 2 formats x 2 chunks of 4 layers
+    "solve_placement": 1,
 }
 
 
 def test_default_config_plans_the_toy_dag(workdir):
     assert workdir.plan() == TOY_DAG
+
+
+def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
+    config = workdir.config()
+    config["placement"]["source"] = "explicit"
+    assert workdir.plan(workdir.write_config("config/explicit.yaml", config)) == {
+        "build_toy_model": 1,
+        "sample_calibration": 1,
+        "pin_prompt": 1,
+        "collect_activation_stats": 1,
+        "quantize_layer": 8,  # one job per MoE layer of the toy, in its placed format
+        "export_checkpoint": 1,
+    }
 
 
 def test_reference_config_plans_without_weights(workdir):
@@ -22,8 +38,9 @@ def test_reference_config_plans_without_weights(workdir):
         "sample_calibration": 1,
         "pin_prompt": 1,
         "collect_activation_stats": 1,
-        "quantize_layer": 47,
-        "export_checkpoint": 1,
+        "quantize_layer": 94,  # 47 MoE layers x (NVFP4, FP8)
+        "score_sensitivity": 24,  # 2 formats x 12 chunks of 4 layers
+        "solve_placement": 1,
     }
     paths = workdir.paths("config/laguna-s-2.1.yaml")
     assert paths["model"]["path"].startswith("results/fetch_model/")

@@ -111,7 +111,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------- plan
 
-_JOB = re.compile(r"^rule (\w+):$")
+_JOB = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
 _REASON = re.compile(r"^\s+reason: (.*)$")
 
 
@@ -120,7 +120,7 @@ def parse_dry_run(text: str) -> dict[str, dict[str, Any]]:
     rules: dict[str, dict[str, Any]] = {}
     current = None
     for line in text.splitlines():
-        if match := _JOB.match(line.strip()) if line.startswith("rule ") else None:
+        if match := _JOB.match(line.strip()) if not line[:1].isspace() else None:
             current = match.group(1)
             rules.setdefault(current, {"jobs": 0, "reasons": {}})
             rules[current]["jobs"] += 1
@@ -158,6 +158,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         reasons = ", ".join(f"{reason} ({count})" for reason, count in row["reasons"].items())
         print(f"{rule:24} {row['jobs']:>4}  {reasons}")
     print(f"{'total':24} {sum(row['jobs'] for row in plan.values()):>4}")
+    if "solve_placement" in plan:
+        print("then: quantize_layer for the placed layers not built yet, and export_checkpoint (planned once")
+        print("      solve_placement has chosen the placement)")
     return 0
 
 
@@ -173,6 +176,8 @@ STAGE_RUNNERS = {
     "pin_prompt": "mixquant.calibration.run:run_pin_prompt",
     "collect_activation_stats": "mixquant.quantize.run:run_collect_activation_stats",
     "quantize_layer": "mixquant.quantize.run:run_quantize_layer",
+    "score_sensitivity": "mixquant.search.run:run_score_sensitivity",
+    "solve_placement": "mixquant.search.run:run_solve_placement",
     "export_checkpoint": "mixquant.export.run:run_export_checkpoint",
 }
 

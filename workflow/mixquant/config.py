@@ -226,8 +226,38 @@ class ExplicitPlacement(Strict):
         return self
 
 
+class PlacementPin(Strict):
+    layers: Annotated[str, Field(pattern=LAYER_RANGE_PATTERN)] = Field(
+        description="MoE layer indices the pin applies to: '47', '1-3,47'."
+    )
+    format: Format = Field(description="The format those layers must take (it must be a candidate format).")
+
+
+class SearchSettings(Strict):
+    method: Literal["ilp", "minimax"] = Field(
+        default="ilp",
+        description="ilp: exact integer program (pulp CBC) minimising summed scores under the budget; "
+        "minimax: ModelOpt's kl_div threshold bisection (for parity).",
+    )
+    calibration: Literal["rebuild", "max"] = Field(
+        default="rebuild",
+        description="Weights the search scores: rebuild (the very weights quantize_layer ships, with the "
+        "`quantize` settings) or max (max calibration, as ModelOpt's auto_quantize searches).",
+    )
+    pins: list[PlacementPin] = Field(
+        default_factory=list, description="Layers whose format is fixed (e.g. layer 47 stays bf16)."
+    )
+    batch_size: int = Field(default=8, ge=1, description="Calibration sequences per scoring forward.")
+    layers_per_job: int = Field(
+        default=8, ge=1, description="MoE layers per score_sensitivity job (the cluster fan-out unit)."
+    )
+    frontier_points: int = Field(
+        default=25, ge=2, description="Budgets on the bits-to-KL frontier, evenly spaced min..max bits."
+    )
+
+
 class PlacementSection(Strict):
-    formats: list[Literal["nvfp4_w4a16", "fp8", "bf16"]] = Field(
+    formats: list[Format] = Field(
         default_factory=lambda: ["nvfp4_w4a16", "fp8", "bf16"],
         min_length=1,
         description="Candidate formats for each MoE layer's routed experts.",
@@ -236,16 +266,35 @@ class PlacementSection(Strict):
         default=6.0, gt=0, description="Budget on routed-expert effective bits (NVFP4 4.5, FP8 8, BF16 16)."
     )
     cost_model: Literal["numel", "active_moe"] = Field(
-        default="numel", description="Bit cost per group: plain numel, or ModelOpt's active-MoE weighting."
+        default="numel",
+        description="Bit cost per group: plain numel, or ModelOpt's active-MoE weighting (routed experts "
+        "weighted by top_k / num_experts).",
     )
     recipe: str | None = Field(default=None, description="ModelOpt recipe the settings mirror (provenance).")
-    source: Literal["explicit"] = Field(
-        default="explicit",
-        description="explicit: the `explicit` map below (the KL-guided search is a later stage).",
+    source: Literal["search", "explicit"] = Field(
+        default="search",
+        description="search: KL-sensitivity scores + solve_placement; explicit: the `explicit` map below.",
     )
+    search: SearchSettings = Field(default_factory=SearchSettings, description="The KL-sensitivity search.")
     explicit: ExplicitPlacement = Field(
         default_factory=ExplicitPlacement, description="Explicit layer -> format placement."
     )
+
+    @model_validator(mode="after")
+    def _pins_are_candidates(self) -> PlacementSection:
+        if len(set(self.formats)) != len(self.formats):
+            raise ValueError(f"placement.formats lists a format twice: {self.formats}")
+        seen: set[int] = set()
+        for pin in self.search.pins:
+            if pin.format not in self.formats:
+                raise ValueError(
+                    f"pin {pin.layers!r} -> {pin.format} is not a candidate format {self.formats}"
+                )
+            overlap = seen.intersection(parse_layer_ranges(pin.layers))
+            if overlap:
+                raise ValueError(f"layer {min(overlap)} is pinned twice")
+            seen.update(parse_layer_ranges(pin.layers))
+        return self
 
 
 class Nvfp4Params(Strict):

@@ -24,11 +24,32 @@ validate(
     set_default=False,
 )
 
-ART = resolve_artifacts(CFG, hash_cache_dir=Path(".snakemake") / "mixquant-hashes")
+HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
+ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+_PLACED = {}
+
+
+def placed_artifacts():
+    """The graph including the rebuild and the export of the placement.
+
+    With a search, that needs solve_placement's result: the checkpoint's .get() raises until it is
+    built, and Snakemake re-evaluates the DAG after it (then placement.json is read)."""
+    if "checkpoint" in ART:
+        return ART
+    checkpoints.solve_placement.get()
+    if "graph" not in _PLACED:
+        _PLACED["graph"] = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+    return _PLACED["graph"]
 
 
 def all_targets(wildcards):
+    """What is known up front (model, calibration, prompt, placement)."""
     return final_targets(ART)
+
+
+def placed_targets(wildcards):
+    """The checkpoint of the placement (after solve_placement for a search)."""
+    return final_targets(placed_artifacts())
 
 
 def artifact_path(name):
@@ -48,23 +69,23 @@ def stage_params(name):
     return {"settings": ART[name].settings, "preimage": ART[name].preimage}
 
 
-def layer_artifact(wildcards):
-    return artifact_by_key(ART, wildcards.key)
+def keyed_artifact(wildcards):
+    """The artifact of a {key} wildcard: planned up front, or (rebuild, export) after the placement."""
+    try:
+        return artifact_by_key(ART, wildcards.key)
+    except KeyError:
+        return artifact_by_key(placed_artifacts(), wildcards.key)
 
 
-def quantize_layer_inputs(wildcards):
-    """The model, and for FP8 layers the activation statistics."""
-    art = layer_artifact(wildcards)
-    return {role: str(ART[name].path) for role, name in art.upstream.items()}
+def keyed_inputs(wildcards):
+    """{upstream role: path} of a keyed artifact."""
+    art = keyed_artifact(wildcards)
+    graph = (
+        ART if art.name in ART and ART[art.name].key == art.key else placed_artifacts()
+    )
+    return {role: str(graph[name].path) for role, name in art.upstream.items()}
 
 
-def quantize_layer_params(wildcards):
-    art = layer_artifact(wildcards)
+def keyed_params(wildcards):
+    art = keyed_artifact(wildcards)
     return {"settings": art.settings, "preimage": art.preimage}
-
-
-def export_inputs(wildcards):
-    """The model, every placed layer x format result (layer_L), and activations for KV scales."""
-    return {
-        role: str(ART[name].path) for role, name in ART["checkpoint"].upstream.items()
-    }

@@ -4,13 +4,15 @@
 
 rule export_checkpoint:
     input:
-        unpack(export_inputs),
+        unpack(keyed_inputs),
     output:
-        checkpoint=directory(artifact_path("checkpoint")),
+        checkpoint=directory(f"{CFG.results_dir}/export_checkpoint/{{key}}"),
     log:
-        stage_log("checkpoint"),
+        f"{CFG.results_dir}/logs/export_checkpoint/{{key}}.log",
     benchmark:
-        stage_benchmark("checkpoint")
+        f"{CFG.results_dir}/benchmarks/export_checkpoint/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
     conda:
         "../../envs/quant.yaml"
     threads: 1
@@ -18,6 +20,6 @@ rule export_checkpoint:
         mem_mb=4000,
         runtime=120,
     params:
-        stage=stage_params("checkpoint"),
+        stage=keyed_params,
     script:
         "../scripts/export_checkpoint.py"

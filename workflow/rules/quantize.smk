@@ -26,7 +26,7 @@ rule collect_activation_stats:
 
 rule quantize_layer:
     input:
-        unpack(quantize_layer_inputs),
+        unpack(keyed_inputs),
     output:
         layer=directory(f"{CFG.results_dir}/quantize_layer/{{key}}"),
     log:
@@ -42,6 +42,6 @@ rule quantize_layer:
         mem_mb=4000,
         runtime=60,
     params:
-        stage=quantize_layer_params,
+        stage=keyed_params,
     script:
         "../scripts/quantize_layer.py"

@@ -122,8 +122,15 @@ def _tokenizer_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
     return {"source": "model"}, {"source": "model"}
 
 
-def resolve_artifacts(cfg: MixquantConfig, hash_cache_dir: Path | None = None) -> dict[str, Artifact]:
-    """{artifact name: Artifact} for every stage the config asks for, in dependency order."""
+def resolve_artifacts(
+    cfg: MixquantConfig, hash_cache_dir: Path | None = None, placement: dict[int, str] | None = None
+) -> dict[str, Artifact]:
+    """{artifact name: Artifact} for every stage the config asks for, in dependency order.
+
+    With ``placement.source: search`` the rebuild and the export depend on ``solve_placement``'s result:
+    they are resolved from ``placement`` when given, else from the placement artifact's ``placement.json``
+    once it is built; before that the graph ends at the placement.
+    """
     graph = _Graph(cfg, hash_cache_dir)
     _model_artifact(graph)
     tokenizer_slice, tokenizer_settings = _tokenizer_identity(cfg)
@@ -162,7 +169,18 @@ def resolve_artifacts(cfg: MixquantConfig, hash_cache_dir: Path | None = None) -
         {"prompt": prompt, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
         {"model": "model"},
     )
-    _quantize_artifacts(graph)
+    _activation_artifact(graph)
+    if cfg.placement.source == "explicit":
+        placement = placement_from_config(cfg)
+    else:
+        _search_artifacts(graph)
+        if placement is None and graph.artifacts["placement"].done:
+            from mixquant.export.predict import load_placement
+
+            placement = load_placement(graph.artifacts["placement"].path / PLACEMENT_FILE)
+    if placement is not None:
+        _rebuild_artifacts(graph, placement)
+        _export_artifact(graph, placement)
     return graph.artifacts
 
 
@@ -192,17 +210,8 @@ def layer_artifact_name(layer: int, fmt: str) -> str:
     return f"layer/{layer}/{fmt}"
 
 
-def _quantize_artifacts(graph: _Graph) -> None:
-    """Activation statistics, then one quantize_layer artifact per (MoE layer, format) placed.
-
-    A layer x format key holds only what that result depends on: the source model, the layer,
-    the format and that format's parameters (and, for FP8 W8A8, the activation statistics). So a
-    new placement reuses every layer x format already computed and an NVFP4 knob moves only NVFP4
-    keys. The source model enters by its key, which covers every layer's weights (conservative:
-    a change to one layer's weights reruns all layers).
-    """
-    cfg = graph.cfg
-    batch = {"batch_size": cfg.quantize.activation_batch_size}
+def _activation_artifact(graph: _Graph) -> None:
+    batch = {"batch_size": graph.cfg.quantize.activation_batch_size}
     graph.add(
         "activations",
         "collect_activation_stats",
@@ -210,24 +219,120 @@ def _quantize_artifacts(graph: _Graph) -> None:
         batch,
         {"model": "model", "calibration": "calibration"},
     )
-    for layer, fmt in sorted(placement_from_config(cfg).items()):
-        params = {
-            "nvfp4_w4a16": cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
-            "fp8": cfg.quantize.fp8.model_dump(mode="json"),
-            "bf16": {},
-        }[fmt]
-        layer_slice = {"layer": layer, "format": fmt, "params": params}
-        upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
-        graph.add(layer_artifact_name(layer, fmt), "quantize_layer", layer_slice, layer_slice, upstream)
-    _export_artifact(graph)
 
 
-def _export_artifact(graph: _Graph) -> None:
-    """The checkpoint: the source model plus every placed layer x format result (and KV amax)."""
+def rebuild_params(cfg: MixquantConfig, fmt: str) -> dict[str, Any]:
+    """The ``quantize`` settings of one format (what quantize_layer ships)."""
+    return {
+        "nvfp4_w4a16": cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
+        "fp8": cfg.quantize.fp8.model_dump(mode="json"),
+        "bf16": {},
+    }[fmt]
+
+
+def _layer_artifact(graph: _Graph, name: str, layer: int, fmt: str, params: dict[str, Any]) -> str:
+    """One quantize_layer artifact: its key holds only the model, layer, format and that format's params
+    (and, for FP8 W8A8, the activation statistics), so placements and the search share results."""
+    layer_slice = {"layer": layer, "format": fmt, "params": params}
+    upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
+    graph.add(name, "quantize_layer", layer_slice, layer_slice, upstream)
+    return name
+
+
+def _rebuild_artifacts(graph: _Graph, placement: dict[int, str]) -> None:
+    """One quantize_layer artifact per (MoE layer, format) placed.
+
+    A layer x format key holds only what that result depends on: the source model, the layer,
+    the format and that format's parameters (and, for FP8 W8A8, the activation statistics). So a
+    new placement reuses every layer x format already computed and an NVFP4 knob moves only NVFP4
+    keys. The source model enters by its key, which covers every layer's weights (conservative:
+    a change to one layer's weights reruns all layers).
+    """
+    for layer, fmt in sorted(placement.items()):
+        _layer_artifact(graph, layer_artifact_name(layer, fmt), layer, fmt, rebuild_params(graph.cfg, fmt))
+
+
+PLACEMENT_FILE = "placement.json"
+SCORED = ("nvfp4_w4a16", "fp8")  # bf16 is the reference: its score is 0 by definition
+
+
+def placement_pins(cfg: MixquantConfig) -> dict[int, str]:
+    """MoE layer -> pinned format (``placement.search.pins``)."""
+    layers = set(moe_layers(cfg))
+    pins: dict[int, str] = {}
+    for pin in cfg.placement.search.pins:
+        for layer in parse_layer_ranges(pin.layers):
+            if layer not in layers:
+                raise ValueError(f"placement.search.pins names layer {layer}, which is not a MoE layer")
+            pins[layer] = pin.format
+    return pins
+
+
+def score_jobs(cfg: MixquantConfig) -> list[tuple[str, list[int]]]:
+    """(format, layers) of each score_sensitivity job: MoE layers in fixed chunks of ``layers_per_job``
+    per scored candidate format; a pinned layer is scored only in its pinned format."""
+    layers = moe_layers(cfg)
+    pins = placement_pins(cfg)
+    size = cfg.placement.search.layers_per_job
+    jobs = []
+    for fmt in (f for f in cfg.placement.formats if f in SCORED):
+        for i in range(0, len(layers), size):
+            chunk = [layer for layer in layers[i : i + size] if pins.get(layer, fmt) == fmt]
+            if chunk:
+                jobs.append((fmt, chunk))
+    return jobs
+
+
+def _search_artifacts(graph: _Graph) -> None:
+    """score_sensitivity per (format, layer chunk) and the solve_placement checkpoint.
+
+    A score key holds the format, its layers, the scoring batch size and the keys of the model, the
+    calibration tokens and the layer x format results it scores -- not the budget, the other formats or
+    the solver, so a new budget reruns only the solve and a new candidate format only its own scoring.
+    """
+    cfg = graph.cfg
+    search = cfg.placement.search
+    roles: dict[str, str] = {}
+    for fmt, layers in score_jobs(cfg):
+        upstream = {"model": "model", "calibration": "calibration"}
+        if search.calibration == "rebuild":  # the very layer x format results the rebuild ships
+            for layer in layers:
+                name = layer_artifact_name(layer, fmt)
+                params = rebuild_params(cfg, fmt)
+                upstream[f"layer_{layer}"] = _layer_artifact(graph, name, layer, fmt, params)
+        elif fmt == "fp8":  # ModelOpt's own fake quant from the BF16 weights; FP8 inputs need amax
+            upstream["activations"] = "activations"
+        score_slice = {
+            "format": fmt,
+            "layers": layers,
+            "weights": search.calibration,
+            "batch_size": search.batch_size,
+        }
+        name = f"scores/{fmt}/{layers[0]}-{layers[-1]}"
+        graph.add(name, "score_sensitivity", score_slice, score_slice, upstream)
+        roles[f"scores_{fmt}_{layers[0]}"] = name
+    solve_slice = {
+        "moe_layers": moe_layers(cfg),
+        "formats": list(cfg.placement.formats),
+        "target_effective_bits": cfg.placement.target_effective_bits,
+        "cost_model": cfg.placement.cost_model,
+        "method": search.method,
+        "pins": {str(layer): fmt for layer, fmt in sorted(placement_pins(cfg).items())},
+        "frontier_points": search.frontier_points,
+    }
+    graph.add("placement", "solve_placement", solve_slice, solve_slice, {"model": "model", **roles})
+
+
+def _export_artifact(graph: _Graph, placed: dict[int, str]) -> None:
+    """The checkpoint: the source model plus every placed layer x format result (and KV amax).
+
+    The placement enters by content (layer -> format), not by the placement artifact's key: a budget
+    change that lands on the same placement finds the same checkpoint.
+    """
     from mixquant.export.checkpoint import default_producer
 
     cfg = graph.cfg
-    placement = {str(layer): fmt for layer, fmt in sorted(placement_from_config(cfg).items())}
+    placement = {str(layer): fmt for layer, fmt in sorted(placed.items())}
     export = cfg.export.model_dump(mode="json")
     tokenizer_slice, _ = _tokenizer_identity(cfg)
     config_slice = {
@@ -257,5 +362,6 @@ def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
 
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
-    """Directories `rule all` asks for."""
-    return [str(artifacts[name].path) for name in ("model", "calibration", "prompt", "checkpoint")]
+    """Directories `rule all` asks for (the checkpoint once the placement is known)."""
+    names = ("model", "calibration", "prompt", "placement", "checkpoint")
+    return [str(artifacts[name].path) for name in names if name in artifacts]

@@ -24,6 +24,7 @@ RECORDED_PACKAGES = (
     "nvidia-modelopt",
     "pandas",
     "pulp",
+    "matplotlib",
     "numpy",
     "snakemake",
     "huggingface-hub",
@@ -74,6 +75,18 @@ STAGES: dict[str, StageSpec] = {
             "quantize_layer",
             ("mixquant.quantize.layer", "mixquant.formats.nvfp4", "mixquant.formats.fp8"),
             ("torch", "nvidia-modelopt", "safetensors"),
+        ),
+        # Scores: the scorer (its numerics come from quantize_layer's results, which are upstream).
+        StageSpec(
+            "score_sensitivity",
+            ("mixquant.search.score", "mixquant.search.run"),
+            ("torch", "transformers", "nvidia-modelopt", "safetensors"),
+        ),
+        # The placement, its audit, the frontier and the plots are all outputs of the solve.
+        StageSpec(
+            "solve_placement",
+            ("mixquant.search.solve", "mixquant.search.run", "mixquant.search.plots"),
+            ("pulp", "matplotlib"),
         ),
         # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
         StageSpec(

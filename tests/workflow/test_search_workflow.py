@@ -1,0 +1,232 @@
+"""Issue acceptance for the placement search, on the trained toy after the default run.
+
+- the search's outputs (placement, audit, frontier, plots) and the export of the searched placement;
+- the searched placement's measured KL on the prompt beats uniform NVFP4 and random placements with the
+  same or more bits;
+- cache behaviour: a new budget reruns only solve_placement and what follows; a new candidate format runs
+  only that format's scoring (and the layer results it scores).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from mixquant.calibration.tokens import load_token_ids
+from mixquant.keys.manifest import read_manifest, verify_manifest
+from mixquant.model.fetch import resolve_model_dir
+from mixquant.search.evaluate import placement_kld
+from mixquant.search.score import layer_quant_from_tensors, load_search_model
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+BITS = {"nvfp4_w4a16": 4.5, "fp8": 8.0, "bf16": 16.0}
+
+
+def _dir(wd, paths, name) -> Path:
+    return wd.root / paths[name]["path"]
+
+
+def test_search_outputs_and_the_export_of_the_searched_placement(built_workdir):
+    wd = built_workdir
+    paths = wd.paths()
+    assert all(row["done"] for row in paths.values())
+    directory = _dir(wd, paths, "placement")
+    assert verify_manifest(directory) == []
+    placement = json.loads((directory / "placement.json").read_text())
+    audit = json.loads((directory / "placement_audit.json").read_text())
+    layers = {int(k): v for k, v in placement["layers"].items()}
+    assert sorted(layers) == list(range(1, 9))
+    config = wd.config()
+    target = config["placement"]["target_effective_bits"]
+    bits = sum(BITS[f] for f in layers.values()) / len(layers)
+    assert audit["solver"]["status"] == "Optimal"
+    assert audit["budget"]["effective_bits"] == pytest.approx(bits) and bits <= target + 1e-9
+    assert audit["objective"] == pytest.approx(
+        sum(g["scores"][g["chosen"]] for g in audit["groups"]), rel=1e-12
+    )
+    for group in audit["groups"]:
+        assert group["scores"]["bf16"] == 0.0
+        assert group["scores"]["nvfp4_w4a16"] > 0 and group["scores"]["fp8"] > 0
+        assert layers[group["layer"]] == group["chosen"]
+    for name in ("frontier.png", "scores_heatmap.png"):
+        assert (directory / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader((directory / "frontier.csv").open()))
+    assert len(rows) >= 2
+    objectives = [
+        float(r["objective"]) for r in sorted(rows, key=lambda r: float(r["target_effective_bits"]))
+    ]
+    assert all(a >= b - 1e-15 for a, b in zip(objectives, objectives[1:], strict=False))
+
+    # the export is of exactly this placement
+    checkpoint = _dir(wd, paths, "checkpoint")
+    manifest = read_manifest(checkpoint)
+    assert manifest["preimage"]["config"]["placement"] == placement["layers"]
+    quantized = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]
+    listed = quantized.get("quantized_layers", {})
+    for layer, fmt in layers.items():
+        name = f"model.layers.{layer}.mlp.experts"
+        expected = {"nvfp4_w4a16": "W4A16_NVFP4", "fp8": "FP8"}.get(fmt)
+        got = listed.get(name, {}).get("quant_algo") if listed else quantized.get("quant_algo")
+        assert got == expected or (expected is None and name not in listed), (layer, fmt, got)
+
+
+@pytest.fixture(scope="module")
+def toy_eval(built_workdir):
+    """The BF16 toy, the prompt, and every layer's NVFP4 and FP8 results (the ones the search scored)."""
+    wd = built_workdir
+    paths = wd.paths()
+    model = load_search_model(resolve_model_dir(_dir(wd, paths, "model")))
+    prompt = load_token_ids(_dir(wd, paths, "prompt") / "prompt.safetensors")
+    quants = {}
+    for layer in range(1, 9):
+        for fmt in ("nvfp4_w4a16", "fp8"):
+            tensors = load_file(str(_dir(wd, paths, f"layer/{layer}/{fmt}") / "layer.safetensors"))
+            quants[layer, fmt] = layer_quant_from_tensors(tensors, layer, fmt)
+    placement = json.loads((_dir(wd, paths, "placement") / "placement.json").read_text())
+    searched = {int(k): v for k, v in placement["layers"].items()}
+    return model, prompt, quants, searched
+
+
+def measured(toy_eval, placement: dict[int, str]) -> float:
+    model, prompt, quants, _ = toy_eval
+    chosen = {layer: quants[layer, fmt] for layer, fmt in placement.items() if fmt != "bf16"}
+    return placement_kld(model, prompt, chosen)["mean_kl"]
+
+
+def bits_of(placement: dict[int, str]) -> float:
+    return sum(BITS[f] for f in placement.values()) / len(placement)
+
+
+def test_searched_placement_beats_uniform_nvfp4_and_random_placements(toy_eval):
+    _, _, _, searched = toy_eval
+    ours = measured(toy_eval, searched)
+    uniform = measured(toy_eval, dict.fromkeys(range(1, 9), "nvfp4_w4a16"))
+    rng = random.Random(0)
+    randoms = []
+    formats = list(searched.values())
+    while len(randoms) < 6:  # same bits: the searched counts on other layers
+        rng.shuffle(formats)
+        candidate = dict(zip(range(1, 9), formats, strict=True))
+        if candidate != searched and candidate not in randoms:
+            randoms.append(dict(candidate))
+    while len(randoms) < 12:  # more bits
+        candidate = {layer: rng.choice(list(BITS)) for layer in range(1, 9)}
+        if bits_of(candidate) > bits_of(searched):
+            randoms.append(candidate)
+    others = [(bits_of(p), measured(toy_eval, p), p) for p in randoms]
+    print(f"searched {bits_of(searched):.3f} bits: mean KL {ours:.6f}; uniform nvfp4 4.5 bits: {uniform:.6f}")
+    for bits, kl, p in others:
+        print(f"random {bits:.3f} bits: {kl:.6f} {p}")
+    assert ours < uniform
+    for bits, kl, p in others:
+        assert ours < kl, (bits, kl, p)
+
+
+def _rules_run(result) -> dict[str, int]:
+    text = result.stdout + result.stderr
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        for prefix in ("rule ", "checkpoint "):
+            if line.startswith(prefix) and line.rstrip().endswith(":"):
+                name = line[len(prefix) :].rstrip(":").strip()
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_budget_change_reruns_only_the_solve_and_what_follows(built_workdir):
+    wd = built_workdir
+    config = wd.config()
+    config["placement"]["target_effective_bits"] = 5.0
+    name = wd.write_config("config/budget-5.yaml", config)
+    assert wd.plan(name) == {"solve_placement": 1}
+    scores_before = sorted(p.name for p in (wd.root / "results" / "score_sensitivity").iterdir())
+    result = wd.snakemake("--configfile", name)
+    ran = _rules_run(result)
+    assert ran.get("solve_placement") == 1 and ran.get("export_checkpoint") == 1, ran
+    assert not {"score_sensitivity", "collect_activation_stats", "sample_calibration"} & set(ran), ran
+    assert set(ran) <= {"solve_placement", "quantize_layer", "export_checkpoint", "all"}, ran
+    assert sorted(p.name for p in (wd.root / "results" / "score_sensitivity").iterdir()) == scores_before
+    paths = wd.paths(name)
+    placement = json.loads((_dir(wd, paths, "placement") / "placement.json").read_text())
+    assert bits_of({int(k): v for k, v in placement["layers"].items()}) <= 5.0
+    assert all(row["done"] for row in paths.values())
+    assert wd.plan() == {}  # the default budget's placement and checkpoint are still there
+
+
+def test_adding_a_candidate_format_runs_only_its_scoring(built_workdir, tmp_path):
+    """A workdir searched over {NVFP4, BF16} gains FP8: only FP8's layer results and scores run."""
+    wd = built_workdir
+    config = wd.config()
+    config["placement"]["formats"] = ["nvfp4_w4a16", "bf16"]
+    narrow = wd.write_config("config/no-fp8.yaml", config)
+    wd.snakemake("--configfile", narrow)
+    # Leave results/ as a {NVFP4, BF16}-only history would: no FP8 layer results, scores or placement.
+    paths = wd.paths()
+    fp8 = [name for name in paths if name.endswith("/fp8") or name.startswith("scores/fp8")] + ["placement"]
+    parked = tmp_path / "parked"
+    scores = {}
+    for name in fp8:
+        source = _dir(wd, paths, name)
+        if name.startswith("scores/"):
+            scores[name] = json.loads((source / "scores.json").read_text())
+        shutil.move(source, parked / paths[name]["key"])
+    assert wd.plan() == {"quantize_layer": 8, "score_sensitivity": 2, "solve_placement": 1}
+    ran = _rules_run(wd.snakemake())
+    assert ran.get("score_sensitivity") == 2 and ran.get("quantize_layer") == 8, ran
+    assert "collect_activation_stats" not in ran and "build_toy_model" not in ran
+    after = wd.paths()
+    for name, before in scores.items():  # deterministic: the same scores under the same keys
+        assert after[name]["key"] == paths[name]["key"]
+        again = json.loads((_dir(wd, after, name) / "scores.json").read_text())
+        assert again["layers"] == before["layers"]
+    assert after["checkpoint"]["key"] == paths["checkpoint"]["key"]
+    assert wd.plan() == {}
+
+
+def test_scores_match_modelopt_auto_quantize_kl_div(built_workdir):
+    """Issue acceptance: mixquant's scores equal ModelOpt auto_quantize(method="kl_div")'s scores for the
+    same model, data and formats, within 1e-3 relative (max calibration, as ModelOpt's presets)."""
+    from mixquant.quantize.activations import load_activation_stats
+    from mixquant.quantize.layer import quantize_layer
+    from mixquant.search.reference import modelopt_kl_div_scores
+    from mixquant.search.score import sensitivity_scores
+
+    wd = built_workdir
+    paths = wd.paths()
+    model_dir = resolve_model_dir(_dir(wd, paths, "model"))
+    ids = load_token_ids(_dir(wd, paths, "calibration") / "calibration.safetensors")[:16]
+    batch = 8
+    # FP8 input amax over the same 16 sequences, in the same batches (as ModelOpt's calibration)
+    from mixquant.quantize.activations import collect_activation_stats
+
+    stats = collect_activation_stats(model_dir, ids, batch_size=batch, progress=False)
+    assert load_activation_stats(_dir(wd, paths, "activations"))["metadata"]["batch_size"] == str(batch)
+    model = load_search_model(model_dir)
+    layers = list(range(1, 9))
+    ours = {}
+    for fmt, params in (("nvfp4_w4a16", {"calibration": "max"}), ("fp8", {"weight_calibration": "max"})):
+        tensors = {}
+        for layer in layers:
+            amax = None
+            if fmt == "fp8":
+                amax = {
+                    "gate_up": stats["gate_up_input_amax"][layer],
+                    "down": stats["down_input_amax"][layer],
+                }
+            tensors[layer] = quantize_layer(model_dir, layer, fmt, params, activation_amax=amax)[0]
+        ours[fmt] = sensitivity_scores(model, ids, tensors, fmt, batch_size=batch)
+    theirs = modelopt_kl_div_scores(
+        model, ids, layers=layers, formats=["nvfp4_w4a16", "fp8"], batch_size=batch
+    )
+    worst = 0.0
+    for layer in layers:
+        for fmt in ("nvfp4_w4a16", "fp8"):
+            a, b = ours[fmt][layer]["kl_sum"], theirs["scores"][layer][fmt]
+            worst = max(worst, abs(a - b) / abs(b))
+            assert a == pytest.approx(b, rel=1e-3), (layer, fmt, a, b)
+    print(f"max relative difference vs ModelOpt: {worst:.2e}")

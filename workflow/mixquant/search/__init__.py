@@ -1,0 +1,1 @@
+"""KL-sensitivity placement search: per-group scores, exact ILP, audits and plots."""

@@ -1,0 +1,267 @@
+"""Stage entry points for score_sensitivity and solve_placement (rule scripts and the CLI call them)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mixquant.keys.manifest import publish_keyed_dir
+from mixquant.model.fetch import resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+SCORES_FILE = "scores.json"
+PLACEMENT_FILE = "placement.json"
+AUDIT_FILE = "placement_audit.json"
+FRONTIER_CSV = "frontier.csv"
+FRONTIER_PNG = "frontier.png"
+HEATMAP_PNG = "scores_heatmap.png"
+FORMATS = ("nvfp4_w4a16", "fp8", "bf16")
+NORMALISATION = (
+    "kl_per_token = sum over calibration tokens t and vocabulary v of p_ref(v|t) * (log p_ref - log p_q), "
+    "divided by the number of tokens (every position of every calibration sequence)"
+)
+
+
+class PlacementSearchError(ValueError):
+    """A search input or budget that cannot be solved (one line naming the culprit)."""
+
+
+def run_score_sensitivity(
+    out_dir: str | Path,
+    *,
+    model: str | Path,
+    calibration: str | Path,
+    activations: str | Path | None = None,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
+    **layers: str | Path,
+) -> Path:
+    """KL(BF16 || only layer L's routed experts in one format) for one chunk of MoE layers.
+
+    Weights: the ``layer_L`` quantize_layer results (``weights: rebuild``) or ModelOpt's own fake quant of
+    the BF16 weights (``weights: max``, FP8 input amax from ``activations``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from mixquant.calibration.tokens import load_token_ids
+    from mixquant.quantize.layer import LAYER_FILE
+    from mixquant.search.score import load_search_model, modelopt_search_quant, sensitivity_scores
+
+    fmt, wanted, weights = (
+        settings["format"],
+        [int(layer) for layer in settings["layers"]],
+        settings["weights"],
+    )
+    given = {int(role.removeprefix("layer_")): Path(path) for role, path in layers.items()}
+    if weights == "rebuild" and sorted(given) != sorted(wanted):
+        raise PlacementSearchError(f"score {fmt}: layer inputs {sorted(given)} != layers {wanted}")
+    ids = load_token_ids(Path(calibration) / "calibration.safetensors")
+    if threads := settings.get("threads"):
+        torch.set_num_threads(int(threads))
+    started = time.perf_counter()
+    model_ = load_search_model(resolve_model_dir(model))
+    if weights == "rebuild":
+        quants = {layer: load_file(str(given[layer] / LAYER_FILE)) for layer in wanted}
+    else:
+        from mixquant.quantize.run import activation_amax_for_layer
+
+        quants = {
+            layer: modelopt_search_quant(
+                model_, layer, fmt, activation_amax_for_layer(activations, layer) if fmt == "fp8" else None
+            )
+            for layer in wanted
+        }
+    scores = sensitivity_scores(model_, ids, quants, fmt, batch_size=settings["batch_size"], progress=True)
+    seconds = time.perf_counter() - started
+    result = {
+        "format": fmt,
+        "weights": weights,
+        "normalisation": NORMALISATION,
+        "batch_size": settings["batch_size"],
+        "sequences": int(ids.shape[0]),
+        "tokens": int(ids.numel()),
+        "layers": {str(layer): value for layer, value in scores.items()},
+    }
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+        (tmp / SCORES_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        summary.update(format=fmt, layers=wanted, seconds=round(seconds, 3), threads=torch.get_num_threads())
+    for layer, value in scores.items():
+        log.info("layer %d %s: %.6g KL/token", layer, fmt, value["kl_per_token"])
+    return Path(out_dir)
+
+
+def routed_group_size(model_config: dict[str, Any]) -> tuple[int, float]:
+    """(weights in one MoE layer's routed experts, active ratio top_k / num_experts) from config.json."""
+    try:
+        experts = int(model_config["num_experts"])
+        hidden = int(model_config["hidden_size"])
+        inter = int(model_config["moe_intermediate_size"])
+        top_k = int(model_config["num_experts_per_tok"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlacementSearchError(f"model config.json lacks the MoE geometry ({exc})") from exc
+    return experts * 3 * hidden * inter, top_k / experts
+
+
+def _read_scores(paths: dict[str, Path]) -> list[dict[str, Any]]:
+    results = []
+    for _role, path in sorted(paths.items()):
+        file = Path(path) / SCORES_FILE
+        try:
+            results.append(json.loads(file.read_text(encoding="utf-8")))
+        except (OSError, ValueError) as exc:
+            raise PlacementSearchError(f"{file}: cannot read scores ({exc})") from exc
+    return results
+
+
+def search_groups(settings: dict[str, Any], table: dict[int, dict[str, float]], model_config: dict) -> list:
+    """One :class:`SearchGroup` per MoE layer: allowed formats (a pin allows one) with their scores."""
+    from mixquant.search.solve import SearchGroup
+
+    numel, active = routed_group_size(model_config)
+    weight = active if settings["cost_model"] == "active_moe" else 1.0
+    pins = {int(layer): fmt for layer, fmt in settings["pins"].items()}
+    groups = []
+    for layer in settings["moe_layers"]:
+        allowed = [pins[layer]] if layer in pins else list(settings["formats"])
+        scores = {}
+        for fmt in allowed:
+            if fmt == "bf16":
+                scores[fmt] = 0.0
+            elif fmt in table.get(layer, {}):
+                scores[fmt] = table[layer][fmt]
+            else:
+                raise PlacementSearchError(
+                    f"layer {layer}: no {fmt} score among the score_sensitivity results"
+                )
+        groups.append(SearchGroup(f"model.layers.{layer}.mlp.experts", numel, scores, weight))
+    return groups
+
+
+def _frontier_csv(rows: list[dict[str, Any]]) -> str:
+    columns = ["target_effective_bits", "effective_bits", "objective", "status", *FORMATS]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def run_solve_placement(
+    out_dir: str | Path,
+    *,
+    model: str | Path,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
+    **scores: str | Path,
+) -> Path:
+    """Exact placement under the bit budget, its audit, the bits-to-KL frontier and the plots."""
+    from mixquant.search.plots import plot_frontier, plot_score_heatmap
+    from mixquant.search.score import scores_table
+    from mixquant.search.solve import (
+        PlacementInfeasible,
+        effective_bits,
+        frontier,
+        max_effective_bits,
+        min_effective_bits,
+        solve_placement,
+    )
+
+    model_config = json.loads((resolve_model_dir(model) / "config.json").read_text(encoding="utf-8"))
+    results = _read_scores({role: Path(path) for role, path in scores.items()})
+    table = scores_table(results)
+    groups = search_groups(settings, table, model_config)
+    target, method = float(settings["target_effective_bits"]), settings["method"]
+    try:
+        solution = solve_placement(groups, target, method=method)
+    except PlacementInfeasible as exc:
+        raise PlacementSearchError(f"placement.target_effective_bits: {exc}") from exc
+    if solution.effective_bits > target + 1e-9:
+        raise PlacementSearchError(
+            f"placement.search.method {method}: ModelOpt's threshold search ended over budget "
+            f"({solution.effective_bits:.4f} > {target} effective bits, status {solution.status}); "
+            "ModelOpt would apply it silently -- use method: ilp"
+        )
+    placement = {_layer_of(name): fmt for name, fmt in solution.choice.items()}
+    lo, hi, n = min_effective_bits(groups), max_effective_bits(groups), settings["frontier_points"]
+    rows = frontier(groups, budgets=[lo + (hi - lo) * i / (n - 1) for i in range(n)], method=method)
+    uniform = {}
+    for fmt in settings["formats"]:
+        if all(fmt in g.scores for g in groups):
+            choice = {g.name: fmt for g in groups}
+            uniform[f"uniform {fmt}"] = (effective_bits(groups, choice), sum(g.scores[fmt] for g in groups))
+    counts = {fmt: sum(1 for f in placement.values() if f == fmt) for fmt in FORMATS}
+    audit = {
+        "method": method,
+        "solver": solution.to_json(),
+        "budget": {
+            "target_effective_bits": target,
+            "effective_bits": solution.effective_bits,
+            "min_effective_bits": min_effective_bits(groups),
+            "cost_model": settings["cost_model"],
+            "format_bits": {"nvfp4_w4a16": 4.5, "fp8": 8.0, "bf16": 16.0},
+        },
+        "objective": solution.objective,
+        "normalisation": NORMALISATION,
+        "counts": counts,
+        "groups": [
+            {
+                "name": g.name,
+                "layer": _layer_of(g.name),
+                "numel": g.numel,
+                "cost_weight": g.cost_weight,
+                "scores": dict(g.scores),
+                "pinned": len(g.scores) == 1,
+                "chosen": solution.choice[g.name],
+            }
+            for g in groups
+        ],
+        "uniform": {name: {"effective_bits": b, "objective": o} for name, (b, o) in uniform.items()},
+        "score_jobs": [{"format": r["format"], "layers": sorted(map(int, r["layers"]))} for r in results],
+    }
+    document = {
+        "layers": {str(layer): fmt for layer, fmt in sorted(placement.items())},
+        "metadata": {
+            "source": "search",
+            "method": method,
+            "target_effective_bits": target,
+            "effective_bits": solution.effective_bits,
+            "objective": solution.objective,
+        },
+    }
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+        (tmp / PLACEMENT_FILE).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        (tmp / AUDIT_FILE).write_text(json.dumps(audit, indent=2) + "\n", encoding="utf-8")
+        (tmp / FRONTIER_CSV).write_text(_frontier_csv(rows), encoding="utf-8")
+        plot_frontier(
+            rows,
+            tmp / FRONTIER_PNG,
+            chosen={"effective_bits": solution.effective_bits, "objective": solution.objective},
+            baselines=uniform,
+            title=f"Predicted summed KL/token vs routed effective bits ({method})",
+        )
+        heat = {f"layer {_layer_of(g.name)}": dict(g.scores) for g in groups}
+        chosen = {f"layer {_layer_of(g.name)}": solution.choice[g.name] for g in groups}
+        plot_score_heatmap(
+            heat, tmp / HEATMAP_PNG, chosen=chosen, title="KL/token when only that layer is quantized"
+        )
+        summary.update(counts=counts, effective_bits=solution.effective_bits, objective=solution.objective)
+    log.info(
+        "placement: %s at %.4f effective bits (target %.4f), predicted KL/token %.6g",
+        counts,
+        solution.effective_bits,
+        target,
+        solution.objective,
+    )
+    return Path(out_dir)

@@ -1,0 +1,329 @@
+"""KL sensitivity of each MoE layer's routed experts to one quantization format.
+
+Score of a group (the routed experts of MoE layer ``L``) and a format ``f``: KL(BF16 || model with only that
+group quantized to ``f``), summed over every calibration token and the full vocabulary, exactly as ModelOpt
+0.47's ``auto_quantize(method="kl_div")`` accumulates it per batch --
+``F.kl_div(log_softmax(q.float()), log_softmax(p.float()), reduction="sum", log_target=True)`` -- and
+reported both as that sum (``kl_sum``) and normalised per token (``kl_per_token = kl_sum / tokens``, tokens =
+every position of every calibration sequence, the last one included). The ILP works on ``kl_per_token``.
+
+Two numerics (``placement.search.calibration``), both with FP8 W8A8 expert inputs fake-quantized by
+ModelOpt's own ``scaled_e4m3_impl`` at the layer-shared static amax, as ModelOpt's ``_QuantFusedExperts``:
+
+* ``rebuild`` (default): the quantized weights are the dequantized tensors a ``quantize_layer`` job wrote
+  (ModelOpt's export numerics with the rebuild's calibration), so the search scores bit for bit the
+  weights that ship;
+* ``max``: ModelOpt's own search numerics (:func:`modelopt_search_quant`): its shipped presets, max
+  calibration, its fake-quant arithmetic -- what ``auto_quantize`` scores. ModelOpt searches with max and
+  rebuilds with MSE; this reproduces its scores.
+
+Work is reused: per batch, one BF16 forward records every decoder layer's input (hidden states and the
+layer's keyword arguments: masks, rotary embeddings, positions) and the reference log-probabilities; the
+score of layer ``L`` then runs only layers ``L..N-1``, the final norm and ``lm_head`` from the cached input
+of layer ``L`` -- bit-identical to a full forward with only ``L`` quantized, since layers before ``L`` are
+untouched. Quantized weights are dequantized once per group instead of fake-quantized on every forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "LayerQuant",
+    "kl_sum",
+    "layer_quant_from_tensors",
+    "load_search_model",
+    "modelopt_search_quant",
+    "quantized_experts",
+    "sensitivity_scores",
+]
+
+_EXPERTS = "model.layers.{layer}.mlp.experts"
+
+
+def load_search_model(model_dir: str | Path, *, device: str | torch.device = "cpu"):
+    """The BF16 source model as ModelOpt's search and the activation statistics run it (eager, sdpa)."""
+    from transformers import LagunaForCausalLM
+
+    model = LagunaForCausalLM.from_pretrained(
+        Path(model_dir), dtype=torch.bfloat16, experts_implementation="eager", attn_implementation="sdpa"
+    )
+    if model.config._experts_implementation != "eager":
+        raise RuntimeError(
+            f"experts implementation is {model.config._experts_implementation!r}, need 'eager'"
+        )
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    """One MoE layer's routed experts in one format, ready to swap in: dequantized fused weights and, for
+    FP8 W8A8, the layer-shared input amax of the gate/up and down projections."""
+
+    layer: int
+    fmt: str
+    gate_up: torch.Tensor  # [E, 2I, H], model dtype
+    down: torch.Tensor  # [E, H, I]
+    gate_up_input_amax: torch.Tensor | None = None  # fp32 scalar
+    down_input_amax: torch.Tensor | None = None
+
+
+def _amax_from_input_scale(scale: torch.Tensor) -> torch.Tensor:
+    """ModelOpt exports input_scale = fp32(amax) / 448 of a bf16 amax; invert exactly (round to bf16)."""
+    return (scale.float() * 448.0).to(torch.bfloat16).float()
+
+
+def layer_quant_from_tensors(
+    tensors: Mapping[str, torch.Tensor], layer: int, fmt: str, *, dtype: torch.dtype = torch.bfloat16
+) -> LayerQuant:
+    """A :class:`LayerQuant` from the tensors a ``quantize_layer`` job wrote (exported names)."""
+    from mixquant.quantize.layer import dequantize_tensors
+
+    deq = dequantize_tensors(tensors, dtype)
+    prefix = _EXPERTS.format(layer=layer)
+    experts = sorted(
+        {int(name[len(prefix) + 1 :].split(".", 1)[0]) for name in deq if name.startswith(prefix)}
+    )
+    if not experts or experts != list(range(len(experts))):
+        raise ValueError(
+            f"layer {layer}: expected experts 0..E-1 in the quantized tensors, got {experts[:8]}"
+        )
+
+    def weight(e: int, proj: str) -> torch.Tensor:
+        name = f"{prefix}.{e}.{proj}.weight"
+        if name not in deq:
+            raise ValueError(f"layer {layer}: missing {name}")
+        return deq[name]
+
+    gate_up = torch.stack([torch.cat([weight(e, "gate_proj"), weight(e, "up_proj")]) for e in experts])
+    down = torch.stack([weight(e, "down_proj") for e in experts])
+    amax: dict[str, torch.Tensor | None] = {"gate_up": None, "down": None}
+    if fmt == "fp8":
+        for kind, proj in (("gate_up", "gate_proj"), ("down", "down_proj")):
+            scales = {tensors[f"{prefix}.{e}.{proj}.input_scale"].float().item() for e in experts}
+            if len(scales) != 1:
+                raise ValueError(
+                    f"layer {layer}: {proj} input_scale differs across experts ({sorted(scales)})"
+                )
+            amax[kind] = _amax_from_input_scale(tensors[f"{prefix}.0.{proj}.input_scale"])
+    return LayerQuant(layer, fmt, gate_up, down, amax["gate_up"], amax["down"])
+
+
+MODELOPT_PRESETS = {"nvfp4_w4a16": "W4A16_NVFP4_CFG", "fp8": "FP8_DEFAULT_CFG"}
+
+
+def modelopt_search_quant(
+    model: torch.nn.Module, layer: int, fmt: str, activation_amax: Mapping[str, Any] | None = None
+) -> LayerQuant:
+    """Layer ``layer``'s routed experts exactly as ModelOpt's ``auto_quantize`` fake-quantizes them.
+
+    ModelOpt's shipped preset (``W4A16_NVFP4_CFG``: dynamic NVFP4 blocks; ``FP8_DEFAULT_CFG``: per-tensor
+    FP8 weights and inputs), max calibration: each expert's fused gate_up and its down weight get a
+    ``TensorQuantizer`` from the preset's weight-quantizer attributes with ``amax = max |w|`` and are passed
+    through it once (ModelOpt's fake-quant arithmetic, which rounds differently from the export's in a few
+    blocks); FP8 inputs use the layer-shared activation amax (``{"gate_up", "down"}``).
+    """
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
+
+    preset = getattr(mtq, MODELOPT_PRESETS[fmt])
+    cfg = next(
+        copy.deepcopy(entry["cfg"])
+        for entry in preset["quant_cfg"]
+        if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry
+    )
+    experts = model.model.layers[layer].mlp.experts
+    fused = []
+    with cpu_nvfp4_fake_quant(), torch.no_grad():
+        for param in (experts.gate_up_proj, experts.down_proj):
+            out = torch.empty_like(param)
+            for e in range(param.shape[0]):
+                quantizer = TensorQuantizer(QuantizerAttributeConfig(**cfg)).to(param.device)
+                quantizer.amax = param[e].abs().amax()
+                out[e] = quantizer(param[e])
+            fused.append(out)
+    amax: dict[str, torch.Tensor | None] = {"gate_up": None, "down": None}
+    if fmt == "fp8":
+        if activation_amax is None:
+            raise ValueError(f"layer {layer}: fp8 needs the layer's activation amax")
+        for kind in amax:
+            amax[kind] = torch.as_tensor(activation_amax[kind]).float()
+    return LayerQuant(layer, fmt, fused[0], fused[1], amax["gate_up"], amax["down"])
+
+
+@contextlib.contextmanager
+def quantized_experts(model: torch.nn.Module, quant: LayerQuant) -> Iterator[None]:
+    """Swap ``quant``'s weights into its layer's experts (and fake-quantize FP8 inputs) for the duration."""
+    from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
+
+    experts = model.model.layers[quant.layer].mlp.experts
+    params = (experts.gate_up_proj, experts.down_proj)
+    new = (quant.gate_up, quant.down)
+    for param, value in zip(params, new, strict=True):
+        if param.shape != value.shape:
+            raise ValueError(
+                f"layer {quant.layer}: quantized {tuple(value.shape)} vs model {tuple(param.shape)}"
+            )
+    saved = [param.data for param in params]
+    for param, value in zip(params, new, strict=True):
+        param.data = value.to(device=param.device, dtype=param.dtype)
+    handles = []
+    orig_linear = F.linear
+    if quant.fmt == "fp8":
+        amax = {
+            "gate_up": quant.gate_up_input_amax.to(experts.gate_up_proj.device),
+            "down": quant.down_input_amax.to(experts.gate_up_proj.device),
+        }
+        active = []
+
+        def linear(input, weight, bias=None):
+            if active:
+                same = weight.untyped_storage().data_ptr()
+                if same == experts.gate_up_proj.untyped_storage().data_ptr():
+                    input = scaled_e4m3_impl(input, amax["gate_up"])
+                elif same == experts.down_proj.untyped_storage().data_ptr():
+                    input = scaled_e4m3_impl(input, amax["down"])
+            return orig_linear(input, weight, bias)
+
+        def enter(module, args) -> None:
+            active.append(True)
+
+        def leave(module, args, output) -> None:  # must return None: a value would replace the output
+            active.pop()
+
+        handles.append(experts.register_forward_pre_hook(enter))
+        handles.append(experts.register_forward_hook(leave))
+        F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = orig_linear
+        for handle in handles:
+            handle.remove()
+        for param, value in zip(params, saved, strict=True):
+            param.data = value
+
+
+def kl_sum(log_p_ref: torch.Tensor, logits_quant: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's kl_div score of one batch: sum over tokens and vocabulary of KL(ref || quant), float32."""
+    log_q = torch.log_softmax(logits_quant.float(), dim=-1)
+    return F.kl_div(log_q, log_p_ref, reduction="sum", log_target=True)
+
+
+class _LayerInputs:
+    """Pre-hooks recording every decoder layer's input hidden states and keyword arguments."""
+
+    def __init__(self, model: torch.nn.Module, first: int):
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.kwargs: dict[int, dict[str, Any]] = {}
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            if i >= first:
+                self.handles.append(layer.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            self.hidden[i] = args[0] if args else kwargs["hidden_states"]
+            self.kwargs[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def suffix_logits(model: torch.nn.Module, start: int, inputs: _LayerInputs) -> torch.Tensor:
+    """Logits of layers ``start..N-1`` + final norm + lm_head, from the recorded input of layer ``start``."""
+    hidden = inputs.hidden[start]
+    layers = model.model.layers
+    for i in range(start, len(layers)):
+        hidden = layers[i](hidden, **inputs.kwargs[i])
+    return model.lm_head(model.model.norm(hidden))
+
+
+def sensitivity_scores(
+    model: torch.nn.Module,
+    calibration_ids: torch.Tensor,
+    layer_tensors: Mapping[int, Mapping[str, torch.Tensor]] | Mapping[int, LayerQuant],
+    fmt: str,
+    *,
+    batch_size: int,
+    progress: bool = False,
+) -> dict[int, dict[str, Any]]:
+    """KL(BF16 || only layer L's routed experts in ``fmt``) for every layer of ``layer_tensors``.
+
+    ``model`` is the BF16 model (:func:`load_search_model`); ``layer_tensors`` maps layer -> the tensors its
+    ``quantize_layer`` job wrote for ``fmt`` (or a ready :class:`LayerQuant`). Batches of ``batch_size``
+    sequences, no attention mask, as ModelOpt's search loop. Returns ``{layer: {"kl_sum", "tokens",
+    "kl_per_token"}}`` (sums accumulated across batches in float64).
+    """
+    from tqdm import tqdm
+
+    quants = {
+        int(layer): value
+        if isinstance(value, LayerQuant)
+        else layer_quant_from_tensors(value, int(layer), fmt)
+        for layer, value in layer_tensors.items()
+    }
+    if not quants:
+        return {}
+    for layer, quant in quants.items():
+        if quant.fmt != fmt:
+            raise ValueError(f"layer {layer}: tensors are {quant.fmt}, asked to score {fmt}")
+    ids = calibration_ids.detach().to(torch.long)
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise ValueError(
+            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
+        )
+    device = next(model.parameters()).device
+    order = sorted(quants)
+    sums = dict.fromkeys(order, 0.0)
+    starts = range(0, ids.shape[0], batch_size)
+    bar = tqdm(
+        total=len(starts) * len(order),
+        desc=f"scores {fmt}",
+        unit="fwd",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    with torch.inference_mode(), bar:
+        for start in starts:
+            batch = ids[start : start + batch_size].to(device)
+            inputs = _LayerInputs(model, order[0])
+            try:
+                log_p = torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+            finally:
+                inputs.remove()
+            for layer in order:
+                with quantized_experts(model, quants[layer]):
+                    sums[layer] += float(kl_sum(log_p, suffix_logits(model, layer, inputs)))
+                bar.update()
+            del inputs, log_p
+    tokens = int(ids.numel())
+    return {
+        layer: {"kl_sum": sums[layer], "tokens": tokens, "kl_per_token": sums[layer] / tokens}
+        for layer in order
+    }
+
+
+def scores_table(results: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """{layer: {format: kl_per_token}} from score-job results (``{"format", "layers": {L: {...}}}``)."""
+    table: dict[int, dict[str, float]] = {}
+    for result in results:
+        for layer, value in result["layers"].items():
+            table.setdefault(int(layer), {})[result["format"]] = float(value["kl_per_token"])
+    return table

@@ -1,0 +1,53 @@
+# KL-sensitivity placement search: score_sensitivity per (format, chunk of MoE layers), then the
+# solve_placement checkpoint (exact ILP under the bit budget); the rebuild and export follow its result.
+
+
+rule score_sensitivity:
+    input:
+        unpack(keyed_inputs),
+    output:
+        scores=directory(f"{CFG.results_dir}/score_sensitivity/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/score_sensitivity/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/score_sensitivity/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=120,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/score_sensitivity.py"
+
+
+if CFG.placement.source == "search":
+
+    checkpoint solve_placement:
+        input:
+            unpack(
+                lambda wildcards: {
+                    role: str(ART[name].path)
+                    for role, name in ART["placement"].upstream.items()
+                }
+            ),
+        output:
+            placement=directory(artifact_path("placement")),
+        log:
+            stage_log("placement"),
+        benchmark:
+            stage_benchmark("placement")
+        conda:
+            "../../envs/quant.yaml"
+        threads: 1
+        resources:
+            mem_mb=2000,
+            runtime=30,
+        params:
+            stage=stage_params("placement"),
+        script:
+            "../scripts/solve_placement.py"
