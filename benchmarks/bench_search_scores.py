@@ -4,14 +4,17 @@ Usage: .venv/bin/python benchmarks/bench_search_scores.py [--model-dir DIR] [--c
        [--batch-size 8] [--samples N] [--threads 2]
 
 Model and calibration tokens default to the workflow's own artifacts (the trained toy Laguna and its
-calibration sample), located with ``mixquant paths --json``; both must be built. Both sides get the SAME
+calibration sample), located with ``mixquant paths --json`` run in the current directory (the workflow's
+working directory, e.g. the repo after ``make run``); both must be built. Both sides get the SAME
 bf16 model (eager experts, sdpa attention), calibration rows, formats (``nvfp4_w4a16`` W4A16 and ``fp8``
 W8A8, max calibration: ModelOpt's presets) and layers (every MoE layer), and the same batches:
 
 * ModelOpt: :func:`mixquant.search.reference.modelopt_kl_div_scores` -- a deep copy of the loaded model,
   ``mtq.auto_quantize`` (calibration per preset + one KL forward per batch, group and format);
-* mixquant: ``collect_activation_stats`` (loads the model itself) + ``quantize_layer`` for every (layer,
-  format) + ``sensitivity_scores`` per format on the loaded model.
+* mixquant, as a ``score_sensitivity`` job with ``placement.search.calibration: max`` computes it:
+  ``collect_activation_stats`` (loads the model itself; FP8 input amax) + ``modelopt_search_quant`` for
+  every (layer, format) (ModelOpt's own fake quant of the weights, once) + ``sensitivity_scores`` per
+  format on the loaded model (one reference forward per batch, then only layers L..N-1 per layer).
 
 Loading the model for both sides and one untimed warm-up forward happen before either clock starts.
 Prints the per-score relative differences (goal: max <= 1e-3) and mixquant's wall time as a ratio of
@@ -34,8 +37,6 @@ warnings.filterwarnings("ignore")
 
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = ["nvfp4_w4a16", "fp8"]
-# ModelOpt-parity numerics: its presets calibrate weights with max.
-PARAMS = {"nvfp4_w4a16": {"calibration": "max"}, "fp8": {"weight_calibration": "max"}}
 CALIBRATION_FILE = "calibration.safetensors"
 
 
@@ -45,7 +46,7 @@ def workflow_dirs() -> tuple[Path, Path]:
 
     exe = Path(sys.executable).with_name("mixquant")
     cmd = [str(exe), "paths", "--json"] if exe.exists() else [sys.executable, "-m", "mixquant.cli", "paths"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=Path.cwd(), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"`mixquant paths --json` failed:\n{proc.stderr.strip()[-2000:]}")
     table = json.loads(proc.stdout)
@@ -54,7 +55,7 @@ def workflow_dirs() -> tuple[Path, Path]:
         row = table[name]
         if not row["done"]:
             sys.exit(f"the {name} artifact is not built ({row['path']}); build it or pass --{name}-dir")
-        dirs.append(REPO / row["path"])
+        dirs.append(Path.cwd() / row["path"])
     return resolve_model_dir(dirs[0]), dirs[1]
 
 
@@ -81,8 +82,7 @@ def run_mixquant(
     model, model_dir: Path, ids: torch.Tensor, layers: list[int], batch_size: int, threads: int
 ) -> tuple[dict, dict[str, float]]:
     from mixquant.quantize.activations import collect_activation_stats
-    from mixquant.quantize.layer import quantize_layer
-    from mixquant.search.score import sensitivity_scores
+    from mixquant.search.score import modelopt_search_quant, sensitivity_scores
 
     times: dict[str, float] = {}
     start = time.perf_counter()
@@ -90,19 +90,19 @@ def run_mixquant(
     times["activation stats"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    tensors: dict[str, dict[int, dict[str, torch.Tensor]]] = {fmt: {} for fmt in FORMATS}
+    quants: dict[str, dict] = {fmt: {} for fmt in FORMATS}
     for fmt in FORMATS:
         for layer in layers:
             amax = None
             if fmt == "fp8":
                 amax = {kind: stats[f"{kind}_input_amax"][layer] for kind in ("gate_up", "down")}
-            tensors[fmt][layer] = quantize_layer(model_dir, layer, fmt, PARAMS[fmt], activation_amax=amax)[0]
-    times["quantize_layer"] = time.perf_counter() - start
+            quants[fmt][layer] = modelopt_search_quant(model, layer, fmt, amax)
+    times["fake-quant weights"] = time.perf_counter() - start
 
     start = time.perf_counter()
     scores: dict[int, dict[str, float]] = {layer: {} for layer in layers}
     for fmt in FORMATS:
-        for layer, value in sensitivity_scores(model, ids, tensors[fmt], fmt, batch_size=batch_size).items():
+        for layer, value in sensitivity_scores(model, ids, quants[fmt], fmt, batch_size=batch_size).items():
             scores[int(layer)][fmt] = float(value["kl_sum"])
     times["scores"] = time.perf_counter() - start
     return scores, times

@@ -90,13 +90,33 @@ def test_suffix_forward_is_bit_identical(small_laguna, small_calibration_ids, la
     batch = small_calibration_ids[:4]
     quant = layer_quant_from_tensors(layer_tensors["nvfp4_w4a16", 3], 3, "nvfp4_w4a16")
     with torch.inference_mode():
-        inputs = _LayerInputs(model, 1)
+        inputs = _LayerInputs(model, 1, [3])
         model(input_ids=batch, use_cache=False)
         inputs.remove()
+        assert set(inputs.post_attention) == set(inputs.experts_args) == set(inputs.shared) == {3}
         with quantized_experts(model, quant):
             full = model(input_ids=batch, use_cache=False).logits
-            suffix = suffix_logits(model, 3, inputs)
-    assert torch.equal(full, suffix)
+            from_router = suffix_logits(model, 3, inputs)
+            inputs.experts_args.clear()
+            from_attention = suffix_logits(model, 3, inputs)
+            inputs.post_attention.clear()
+            from_layer_input = suffix_logits(model, 3, inputs)
+    assert torch.equal(full, from_router)
+    assert torch.equal(full, from_attention) and torch.equal(full, from_layer_input)
+
+
+def test_kl_sum_with_precomputed_p_is_modelopts_kl_div_bit_for_bit():
+    from mixquant.search.score import kl_sum
+
+    gen = torch.Generator().manual_seed(0)
+    ref = (torch.randn(3, 7, 50, generator=gen) * 4).to(torch.bfloat16)
+    quant = (ref.float() + 0.05 * torch.randn(3, 7, 50, generator=gen)).to(torch.bfloat16)
+    log_p = torch.log_softmax(ref.float(), dim=-1)
+    modelopt = torch.nn.functional.kl_div(
+        torch.log_softmax(quant.float(), dim=-1), log_p, reduction="sum", log_target=True
+    )
+    assert torch.equal(kl_sum(log_p, quant), modelopt)
+    assert torch.equal(kl_sum(log_p, quant, log_p.exp()), modelopt)
 
 
 def test_fp8_amax_recovered_exactly(layer_tensors, stats):

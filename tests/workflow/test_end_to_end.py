@@ -66,12 +66,14 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     config = wd.config()
     config["calibration"]["num_samples"] = 16
     changed = wd.write_config("config/fewer-samples.yaml", config)
-    # Nothing upstream reruns; downstream, only what reads calibration (activations, FP8 layers).
+    # Nothing upstream reruns; downstream, only what reads calibration: activations, the FP8 layer
+    # results (all 8 MoE layers: the search scores FP8 everywhere), every score job and the solve.
     assert wd.plan(changed) == {
         "sample_calibration": 1,
         "collect_activation_stats": 1,
-        "quantize_layer": 2,
-        "export_checkpoint": 1,
+        "quantize_layer": 8,
+        "score_sensitivity": 4,
+        "solve_placement": 1,
     }
     wd.snakemake("--configfile", changed)
     after = wd.paths(changed)
@@ -162,8 +164,15 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
     wd = built_workdir
     config = wd.config()
     config["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
-    # calibration, activations, FP8 and BF16 layers stay: 4 NVFP4 layer jobs and nothing else
+    # calibration, activations, FP8 results and FP8 scores stay: the 8 NVFP4 layer results the search
+    # scores, their 2 score jobs and the solve
     assert wd.plan(wd.write_config("config/nvfp4-max.yaml", config)) == {
+        "quantize_layer": 8,
+        "score_sensitivity": 2,
+        "solve_placement": 1,
+    }
+    config["placement"]["source"] = "explicit"  # without the search: the 4 placed NVFP4 layers only
+    assert wd.plan(wd.write_config("config/nvfp4-max-explicit.yaml", config)) == {
         "quantize_layer": 4,
         "export_checkpoint": 1,
     }
@@ -172,11 +181,17 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
 def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
     wd = built_workdir
     config = wd.config()
+    config["placement"]["source"] = "explicit"
     config["placement"]["explicit"]["layers"].append({"layers": "8", "format": "nvfp4_w4a16"})
     moved = wd.write_config("config/layer8-nvfp4.yaml", config)
-    assert wd.plan(moved) == {"quantize_layer": 1, "export_checkpoint": 1}
+    # every NVFP4 and FP8 layer result exists (the search scored them); BF16 ones only where it chose BF16
+    missing = [n for n, row in wd.paths(moved).items() if n.startswith("layer/") and not row["done"]]
+    assert all(name.endswith("/bf16") for name in missing)
+    assert wd.plan(moved) == {**({"quantize_layer": len(missing)} if missing else {}), "export_checkpoint": 1}
     wd.snakemake("--configfile", moved)
-    assert wd.plan() == {}  # the earlier placement's layer 8 (BF16) is still there
+    config["placement"]["explicit"]["layers"][-1] = {"layers": "8", "format": "fp8"}
+    assert wd.plan(wd.write_config("config/layer8-fp8.yaml", config)) == {"export_checkpoint": 1}
+    assert wd.plan() == {}  # the searched placement's outputs are all still there
 
 
 def test_truncated_source_shard_stops_with_one_line_and_leaves_nothing(built_workdir, tmp_path):

@@ -24,9 +24,19 @@ def _read_all(paths) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_quantize_layer_equals_modelopt_export(built_workdir, tmp_path):
+@pytest.fixture(scope="module")
+def explicit(built_workdir):
+    """The default config with its explicit placement mixing all three formats, run to the export."""
+    config = built_workdir.config()
+    config["placement"]["source"] = "explicit"
+    name = built_workdir.write_config("config/explicit.yaml", config)
+    built_workdir.snakemake("--configfile", name)
+    return built_workdir.paths(name)
+
+
+def test_quantize_layer_equals_modelopt_export(built_workdir, explicit, tmp_path):
     wd = built_workdir
-    paths = wd.paths()
+    paths = explicit
     layers = {name: row for name, row in paths.items() if name.startswith("layer/")}
     placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
     assert sorted(set(placement.values())) == ["bf16", "fp8", "nvfp4_w4a16"]
@@ -75,12 +85,12 @@ def _without_producer(data: dict) -> dict:
     return data
 
 
-def test_export_equals_modelopt_export_and_audit_agrees(built_workdir, tmp_path):
+def test_export_equals_modelopt_export_and_audit_agrees(built_workdir, explicit, tmp_path):
     """Issue 4 acceptance: the export equals ModelOpt's export_hf_checkpoint for the same placement
     and algorithm (tensor names, dtypes, shapes, bytes; JSON apart from producer fields), and the
     audit agrees with `mixquant predict` and with an independent count from the safetensors headers."""
     wd = built_workdir
-    paths = wd.paths()
+    paths = explicit
     layers = {name for name in paths if name.startswith("layer/")}
     placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
     model_dir = resolve_model_dir(wd.root / paths["model"]["path"])

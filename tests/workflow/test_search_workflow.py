@@ -191,26 +191,22 @@ def test_adding_a_candidate_format_runs_only_its_scoring(built_workdir, tmp_path
 def test_scores_match_modelopt_auto_quantize_kl_div(built_workdir):
     """Issue acceptance: mixquant's scores equal ModelOpt auto_quantize(method="kl_div")'s scores for the
     same model, data and formats, within 1e-3 relative (max calibration, as ModelOpt's presets)."""
-    from mixquant.quantize.activations import load_activation_stats
-    from mixquant.quantize.layer import quantize_layer
+    from mixquant.quantize.activations import collect_activation_stats
     from mixquant.search.reference import modelopt_kl_div_scores
-    from mixquant.search.score import sensitivity_scores
+    from mixquant.search.score import modelopt_search_quant, sensitivity_scores
 
     wd = built_workdir
     paths = wd.paths()
     model_dir = resolve_model_dir(_dir(wd, paths, "model"))
     ids = load_token_ids(_dir(wd, paths, "calibration") / "calibration.safetensors")[:16]
     batch = 8
-    # FP8 input amax over the same 16 sequences, in the same batches (as ModelOpt's calibration)
-    from mixquant.quantize.activations import collect_activation_stats
-
+    # FP8 input amax over the same 16 sequences in the same batches, as ModelOpt's calibration sees them
     stats = collect_activation_stats(model_dir, ids, batch_size=batch, progress=False)
-    assert load_activation_stats(_dir(wd, paths, "activations"))["metadata"]["batch_size"] == str(batch)
     model = load_search_model(model_dir)
     layers = list(range(1, 9))
     ours = {}
-    for fmt, params in (("nvfp4_w4a16", {"calibration": "max"}), ("fp8", {"weight_calibration": "max"})):
-        tensors = {}
+    for fmt in ("nvfp4_w4a16", "fp8"):
+        quants = {}
         for layer in layers:
             amax = None
             if fmt == "fp8":
@@ -218,8 +214,8 @@ def test_scores_match_modelopt_auto_quantize_kl_div(built_workdir):
                     "gate_up": stats["gate_up_input_amax"][layer],
                     "down": stats["down_input_amax"][layer],
                 }
-            tensors[layer] = quantize_layer(model_dir, layer, fmt, params, activation_amax=amax)[0]
-        ours[fmt] = sensitivity_scores(model, ids, tensors, fmt, batch_size=batch)
+            quants[layer] = modelopt_search_quant(model, layer, fmt, amax)
+        ours[fmt] = sensitivity_scores(model, ids, quants, fmt, batch_size=batch)
     theirs = modelopt_kl_div_scores(
         model, ids, layers=layers, formats=["nvfp4_w4a16", "fp8"], batch_size=batch
     )

@@ -4,6 +4,4 @@ from mixquant.rulelog import rule_logging
 from mixquant.search.run import run_solve_placement
 
 with rule_logging(snakemake.log[0]):
-    run_solve_placement(
-        snakemake.output.placement, **dict(snakemake.input.items()), **snakemake.params.stage
-    )
+    run_solve_placement(snakemake.output.placement, **dict(snakemake.input.items()), **snakemake.params.stage)

@@ -18,10 +18,11 @@ ModelOpt's own ``scaled_e4m3_impl`` at the layer-shared static amax, as ModelOpt
   rebuilds with MSE; this reproduces its scores.
 
 Work is reused: per batch, one BF16 forward records every decoder layer's input (hidden states and the
-layer's keyword arguments: masks, rotary embeddings, positions) and the reference log-probabilities; the
-score of layer ``L`` then runs only layers ``L..N-1``, the final norm and ``lm_head`` from the cached input
-of layer ``L`` -- bit-identical to a full forward with only ``L`` quantized, since layers before ``L`` are
-untouched. Quantized weights are dequantized once per group instead of fake-quantized on every forward.
+layer's keyword arguments: masks, rotary embeddings, positions), the residual stream after each scored
+layer's attention, and the reference log-probabilities; the score of layer ``L`` then runs only layer
+``L``'s MLP, layers ``L+1..N-1``, the final norm and ``lm_head`` -- bit-identical to a full forward with
+only ``L`` quantized, since nothing before ``L``'s experts changes. Quantized weights are dequantized (or
+fake-quantized) once per group instead of on every forward, and ``exp(log p_ref)`` once per batch.
 """
 
 from __future__ import annotations
@@ -217,22 +218,55 @@ def quantized_experts(model: torch.nn.Module, quant: LayerQuant) -> Iterator[Non
             param.data = value
 
 
-def kl_sum(log_p_ref: torch.Tensor, logits_quant: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's kl_div score of one batch: sum over tokens and vocabulary of KL(ref || quant), float32."""
+def kl_sum(
+    log_p_ref: torch.Tensor, logits_quant: torch.Tensor, p_ref: torch.Tensor | None = None
+) -> torch.Tensor:
+    """ModelOpt's kl_div score of one batch: sum over tokens and vocabulary of KL(ref || quant), float32.
+
+    ``F.kl_div(log_q, log_p, reduction="sum", log_target=True)`` is ``exp(log_p) * (log_p - log_q)`` summed;
+    passing ``p_ref = exp(log_p_ref)`` (computed once per batch) gives the same float32 elements and sum
+    without one exp per call.
+    """
     log_q = torch.log_softmax(logits_quant.float(), dim=-1)
-    return F.kl_div(log_q, log_p_ref, reduction="sum", log_target=True)
+    if p_ref is None:
+        return F.kl_div(log_q, log_p_ref, reduction="sum", log_target=True)
+    return torch.sub(log_p_ref, log_q, out=log_q).mul_(p_ref).sum()  # in place: log_q is ours
 
 
 class _LayerInputs:
-    """Pre-hooks recording every decoder layer's input hidden states and keyword arguments."""
+    """Hooks recording, per decoder layer from ``first`` on, its input and keyword arguments, and for the
+    scored MoE layers what their routed experts do not change: the residual stream after attention (the
+    input of ``post_attention_layernorm``), the router's choice (the experts' inputs) and the shared
+    expert's output."""
 
-    def __init__(self, model: torch.nn.Module, first: int):
+    def __init__(self, model: torch.nn.Module, first: int, scored: Sequence[int] = ()):
         self.hidden: dict[int, torch.Tensor] = {}
         self.kwargs: dict[int, dict[str, Any]] = {}
+        self.post_attention: dict[int, torch.Tensor] = {}
+        self.experts_args: dict[int, tuple] = {}
+        self.shared: dict[int, torch.Tensor] = {}
         self.handles = []
         for i, layer in enumerate(model.model.layers):
             if i >= first:
                 self.handles.append(layer.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+            if i in scored:
+                norm = layer.post_attention_layernorm
+                self.handles.append(norm.register_forward_pre_hook(self._residual(i)))
+                if _moe_block_parts(layer.mlp):
+                    self.handles.append(layer.mlp.experts.register_forward_pre_hook(self._experts(i)))
+                    self.handles.append(layer.mlp.shared_experts.register_forward_hook(self._shared(i)))
+
+    def _experts(self, i: int):
+        def hook(module, args):
+            self.experts_args[i] = args
+
+        return hook
+
+    def _shared(self, i: int):
+        def hook(module, args, output) -> None:
+            self.shared[i] = output
+
+        return hook
 
     def _hook(self, i: int):
         def hook(module, args, kwargs):
@@ -241,16 +275,46 @@ class _LayerInputs:
 
         return hook
 
+    def _residual(self, i: int):
+        def hook(module, args):
+            self.post_attention[i] = args[0]
+
+        return hook
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
+def _moe_block_parts(mlp: torch.nn.Module) -> bool:
+    """Whether ``mlp`` is a Laguna-style MoE block (routed experts + router + shared expert + scaling)."""
+    return all(hasattr(mlp, name) for name in ("experts", "gate", "shared_experts", "routed_scaling_factor"))
+
+
 def suffix_logits(model: torch.nn.Module, start: int, inputs: _LayerInputs) -> torch.Tensor:
-    """Logits of layers ``start..N-1`` + final norm + lm_head, from the recorded input of layer ``start``."""
-    hidden = inputs.hidden[start]
+    """Logits of layers ``start..N-1`` + final norm + lm_head, from the recorded input of layer ``start``.
+
+    When the residual after layer ``start``'s attention was recorded, that layer restarts from there
+    (attention does not depend on the routed experts): ``residual + mlp(post_attention_layernorm(residual))``,
+    the decoder layer's own second half, and with the router's choice and the shared expert's output
+    recorded, only the routed experts run: ``residual + (experts(x, idx, w) * scaling + shared)``, the MoE
+    block's own arithmetic. Tests check the logits are bit-identical to a full forward.
+    """
     layers = model.model.layers
-    for i in range(start, len(layers)):
+    if start in inputs.post_attention:
+        residual = inputs.post_attention[start]
+        layer = layers[start]
+        if start in inputs.experts_args and start in inputs.shared:
+            # LagunaSparseMoeBlock.forward with the router and shared expert outputs recorded
+            mlp = layer.mlp
+            routed = mlp.experts(*inputs.experts_args[start]) * mlp.routed_scaling_factor
+            hidden = residual + (routed + inputs.shared[start]).reshape(residual.shape)
+        else:
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        first = start + 1
+    else:
+        hidden, first = inputs.hidden[start], start
+    for i in range(first, len(layers)):
         hidden = layers[i](hidden, **inputs.kwargs[i])
     return model.lm_head(model.model.norm(hidden))
 
@@ -303,16 +367,18 @@ def sensitivity_scores(
     with torch.inference_mode(), bar:
         for start in starts:
             batch = ids[start : start + batch_size].to(device)
-            inputs = _LayerInputs(model, order[0])
+            inputs = _LayerInputs(model, order[0], order)
             try:
-                log_p = torch.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+                logits = model(input_ids=batch, use_cache=False).logits
             finally:
                 inputs.remove()
+            log_p = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            p = log_p.exp()
             for layer in order:
                 with quantized_experts(model, quants[layer]):
-                    sums[layer] += float(kl_sum(log_p, suffix_logits(model, layer, inputs)))
+                    sums[layer] += float(kl_sum(log_p, suffix_logits(model, layer, inputs), p))
                 bar.update()
-            del inputs, log_p
+            del inputs, log_p, p, logits
     tokens = int(ids.numel())
     return {
         layer: {"kl_sum": sums[layer], "tokens": tokens, "kl_per_token": sums[layer] / tokens}
