@@ -133,6 +133,7 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     toy = wd.paths()
     config = wd.config()
     config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}, "moe_layers": "1-8"}
+    config["placement"]["source"] = "explicit"  # about pinning the model: skip the search here
     local = wd.write_config("config/local.yaml", config)
     assert wd.plan(local) == {
         "fetch_model": 1,

@@ -1,0 +1,508 @@
+"""KL gate reporting: aggregate repeated runs, paired bootstrap vs a baseline, gates, table and plots.
+
+* :func:`aggregate_runs` -- the fresh-engine runs of one (candidate, KV-cache dtype): mean of the run
+  means, their spread, whether the runs were bit-identical, and the mean per-position KL.
+* :func:`paired_improvement` -- KL reduction of a candidate vs a baseline over the same positions, with a
+  paired percentile bootstrap CI (positions resampled with replacement, the same indices for both).
+* :func:`evaluate_gates` -- the configured thresholds, each one a named check.
+* :func:`comparison_table` / :func:`write_table` -- one row per (candidate, KV-cache dtype), as CSV and
+  Markdown (written by hand: no ``tabulate`` dependency).
+* :func:`plot_kl_cdf` / :func:`plot_per_position` -- PNGs on an Agg canvas (no pyplot, no global backend
+  switch), written atomically with no ``Software`` metadata: equal inputs give equal bytes for a given
+  matplotlib version.
+
+Percentiles (bootstrap CI) use the same linear-interpolation definition as
+:func:`mixquant.kld.stats.percentiles` (llama.cpp's, NumPy's default).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mixquant.kld.stats import percentiles
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "GATE_KEYS",
+    "TABLE_COLUMNS",
+    "aggregate_runs",
+    "aggregate_to_json",
+    "comparison_table",
+    "evaluate_gates",
+    "paired_improvement",
+    "plot_kl_cdf",
+    "plot_per_position",
+    "table_markdown",
+    "write_table",
+]
+
+DPI = 120
+GATE_KEYS = ("max_mean_kld", "max_run_spread", "min_improvement", "require_exact_zero")
+TABLE_COLUMNS = (
+    "candidate",
+    "kv_cache_dtype",
+    "runs",
+    "mean_kld",
+    "mean_kld_se",
+    "run_spread",
+    "identical_runs",
+    "same_top_pct",
+    "rms_dp",
+    "ppl_ratio",
+    "reduction",
+    "reduction_ci_low",
+    "reduction_ci_high",
+    "verdict",
+)
+_BOOTSTRAP_CHUNK = 512  # resamples per vectorised step: 512 x N int64 indices (8 MB at N = 2,047)
+
+
+# --------------------------------------------------------------------------------------------------------
+# runs -> aggregate
+# --------------------------------------------------------------------------------------------------------
+
+
+def _kl_tensor(x: Any) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return t.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+
+
+def aggregate_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Aggregate the runs of one (candidate, KV-cache dtype): each ``{"summary": summarize(...), "kl": [N]}``.
+
+    Returns ``runs``, ``mean_kld`` (mean over runs of the run means), ``mean_kld_runs``, ``run_spread``
+    (max - min of the run means), ``run_std`` (sample std of the run means, 0.0 for one run),
+    ``identical_runs`` (every run's per-position KL bit-identical to the first's), ``summary`` (the mean
+    over runs of each numeric summary statistic) and ``kl`` (the mean per-position KL over runs, a float64
+    tensor: not JSON, see :func:`aggregate_to_json`).
+    """
+    if not runs:
+        raise ValueError("no runs to aggregate")
+    kls = [_kl_tensor(r["kl"]) for r in runs]
+    n = kls[0].numel()
+    if n == 0 or any(k.numel() != n for k in kls):
+        raise ValueError(f"runs differ in positions (or are empty): {[k.numel() for k in kls]}")
+    summaries = [r["summary"] for r in runs]
+    means = [float(s["mean_kld"]) for s in summaries]
+    first_bits = kls[0].view(torch.int64)
+    identical = all(torch.equal(k.view(torch.int64), first_bits) for k in kls[1:])
+    keys = [
+        k
+        for k, v in summaries[0].items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and all(k in s for s in summaries)
+    ]
+    summary = {k: float(np.mean([float(s[k]) for s in summaries])) for k in keys}
+    return {
+        "runs": len(runs),
+        "mean_kld": float(np.mean(means)),
+        "mean_kld_runs": means,
+        "run_spread": float(max(means) - min(means)),
+        "run_std": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
+        "identical_runs": bool(identical),
+        "summary": summary,
+        "kl": torch.stack(kls).mean(dim=0),
+    }
+
+
+def aggregate_to_json(aggregate: Mapping[str, Any]) -> dict[str, Any]:
+    """``aggregate`` without its tensors (``kl``): the JSON-serialisable part."""
+    return {k: v for k, v in aggregate.items() if not isinstance(v, torch.Tensor)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# paired bootstrap
+# --------------------------------------------------------------------------------------------------------
+
+
+def paired_improvement(
+    cand_kl: torch.Tensor,
+    base_kl: torch.Tensor,
+    *,
+    samples: int = 10000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """KL reduction of a candidate vs a baseline on the same positions, with a paired bootstrap CI.
+
+    ``reduction = 1 - mean(cand) / mean(base)`` (0.3: the candidate's mean KL is 30 % lower). The CI is
+    the percentile interval of the reduction over ``samples`` resamples of the position indices (with
+    replacement; the same indices for both, so position difficulty cancels), drawn from a
+    ``torch.Generator`` seeded with ``seed``: equal inputs give equal results. Also ``wins`` (fraction of
+    positions with cand < base), ``mean_diff`` = mean(cand - base) with its SE, and ``p_not_better``
+    (fraction of resamples with reduction <= 0).
+
+    A candidate with ``inf`` KL somewhere gets ``reduction = ci_low = ci_high = -inf`` (it cannot pass a
+    ``min_improvement`` gate); an ``inf`` / NaN baseline or a baseline mean of 0 raise ``ValueError``.
+    A resample whose baseline sum is 0 counts as reduction 0 if its candidate sum is 0 too, else ``-inf``.
+    """
+    cand = _kl_tensor(cand_kl)
+    base = _kl_tensor(base_kl)
+    n = cand.numel()
+    if n == 0 or base.numel() != n:
+        raise ValueError(f"candidate and baseline KL must have the same positions: {n} vs {base.numel()}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if int(samples) < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if not bool(torch.isfinite(base).all()):
+        raise ValueError("baseline KL is not finite everywhere")
+    if bool(torch.isnan(cand).any()):
+        raise ValueError("candidate KL has NaN")
+    mean_cand, mean_base = float(cand.mean()), float(base.mean())
+    if mean_base <= 0.0:
+        raise ValueError(f"baseline mean KL is {mean_base}: no reduction can be defined")
+
+    diff = cand - base
+    out: dict[str, Any] = {
+        "positions": n,
+        "mean_cand": mean_cand,
+        "mean_base": mean_base,
+        "wins": float((cand < base).double().mean()),
+        "mean_diff": float(diff.mean()),
+        "mean_diff_se": float(diff.std(correction=1) / math.sqrt(n)) if n > 1 else math.nan,
+        "confidence": float(confidence),
+        "samples": int(samples),
+        "seed": int(seed),
+    }
+    if not math.isfinite(mean_cand):
+        out.update(reduction=-math.inf, ci_low=-math.inf, ci_high=-math.inf, p_not_better=1.0)
+        out["mean_diff_se"] = math.nan
+        return out
+
+    reductions = _bootstrap_reductions(cand, base, int(samples), int(seed))
+    alpha = (1.0 - confidence) / 2.0
+    lo, hi = percentiles(reductions, [alpha, 1.0 - alpha])
+    out.update(
+        reduction=1.0 - mean_cand / mean_base,
+        ci_low=lo,
+        ci_high=hi,
+        p_not_better=float((reductions <= 0.0).mean()),
+    )
+    return out
+
+
+def _bootstrap_reductions(cand: torch.Tensor, base: torch.Tensor, samples: int, seed: int) -> np.ndarray:
+    """``1 - sum(cand[idx]) / sum(base[idx])`` for ``samples`` index resamples, in fixed-size chunks."""
+    n = cand.numel()
+    values = torch.stack([cand, base], dim=1)  # [N, 2]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out = np.empty(samples, dtype=np.float64)
+    for start in range(0, samples, _BOOTSTRAP_CHUNK):
+        k = min(_BOOTSTRAP_CHUNK, samples - start)
+        idx = torch.randint(0, n, (k * n,), generator=gen)
+        sums = values.index_select(0, idx).view(k, n, 2).sum(dim=1)
+        s_cand, s_base = sums[:, 0], sums[:, 1]
+        ratio = torch.where(
+            s_base > 0, s_cand / s_base.clamp_min(1e-300), torch.where(s_cand > 0, math.inf, 1.0)
+        )
+        out[start : start + k] = (1.0 - ratio).numpy()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# gates
+# --------------------------------------------------------------------------------------------------------
+
+
+def evaluate_gates(
+    aggregate: Mapping[str, Any], gates: Mapping[str, Any], improvement: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Check ``aggregate`` (and ``improvement``) against ``gates``; ``None`` / ``False`` gates are skipped.
+
+    ``max_mean_kld``: ``mean_kld <= limit``. ``max_run_spread``: ``run_spread <= limit``.
+    ``min_improvement``: the CI *lower bound* of the reduction vs the baseline ``>= limit`` (fails with
+    value ``None`` when no ``improvement`` is given). ``require_exact_zero`` (a self-check): every run's
+    mean KL is exactly 0.0 (value: the largest run mean). NaN values fail. Returns
+    ``{"passed": all checks passed, "checks": [{"name", "value", "limit", "passed"}]}``; with every gate
+    skipped there are no checks and ``passed`` is True. Unknown gate names raise ``ValueError``.
+    """
+    unknown = sorted(set(gates) - set(GATE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown gates {unknown}; known: {list(GATE_KEYS)}")
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, value: float | None, limit: float, ok: bool) -> None:
+        checks.append({"name": name, "value": value, "limit": limit, "passed": bool(ok)})
+
+    limit = gates.get("max_mean_kld")
+    if limit is not None:
+        value = float(aggregate["mean_kld"])
+        check("max_mean_kld", value, float(limit), value <= float(limit))
+    limit = gates.get("max_run_spread")
+    if limit is not None:
+        value = float(aggregate["run_spread"])
+        check("max_run_spread", value, float(limit), value <= float(limit))
+    limit = gates.get("min_improvement")
+    if limit is not None:
+        if improvement is None:
+            check("min_improvement", None, float(limit), False)
+        else:
+            value = float(improvement["ci_low"])
+            check("min_improvement", value, float(limit), value >= float(limit))
+    if gates.get("require_exact_zero"):
+        means = [float(m) for m in aggregate["mean_kld_runs"]]
+        worst = max(means, key=lambda m: (math.isnan(m), abs(m)))
+        check("require_exact_zero", worst, 0.0, all(m == 0.0 for m in means))
+    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+
+# --------------------------------------------------------------------------------------------------------
+# table
+# --------------------------------------------------------------------------------------------------------
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """One row per (candidate, KV-cache dtype), in the given order, columns :data:`TABLE_COLUMNS`.
+
+    Each input row: ``{"candidate": str, "kv_cache_dtype": str, "aggregate": aggregate_runs(...),
+    "improvement": paired_improvement(...) | None, "gates": evaluate_gates(...) | None}``. Numbers are
+    raw: ``mean_kld_se`` is the mean over runs of the per-run SE, ``same_top_pct`` a percentage, ``rms_dp``
+    and ``reduction*`` fractions; ``verdict`` is "pass", "fail" or "n/a" (no gates). Missing values: NaN.
+    """
+    import pandas as pd
+
+    records = []
+    for row in rows:
+        agg = row["aggregate"]
+        summary = agg.get("summary", {})
+        imp = row.get("improvement")
+        gates = row.get("gates")
+        verdict = "n/a" if gates is None else ("pass" if gates["passed"] else "fail")
+        records.append(
+            {
+                "candidate": str(row["candidate"]),
+                "kv_cache_dtype": str(row["kv_cache_dtype"]),
+                "runs": int(agg["runs"]),
+                "mean_kld": float(agg["mean_kld"]),
+                "mean_kld_se": float(summary.get("mean_kld_se", math.nan)),
+                "run_spread": float(agg["run_spread"]),
+                "identical_runs": bool(agg["identical_runs"]),
+                "same_top_pct": float(summary.get("same_top_pct", math.nan)),
+                "rms_dp": float(summary.get("rms_dp", math.nan)),
+                "ppl_ratio": float(summary.get("ppl_ratio", math.nan)),
+                "reduction": float(imp["reduction"]) if imp else math.nan,
+                "reduction_ci_low": float(imp["ci_low"]) if imp else math.nan,
+                "reduction_ci_high": float(imp["ci_high"]) if imp else math.nan,
+                "verdict": verdict,
+            }
+        )
+    return pd.DataFrame.from_records(records, columns=list(TABLE_COLUMNS))
+
+
+def _missing(x: Any) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _fmt_g(x: Any, digits: int = 4) -> str:
+    return "—" if _missing(x) else f"{float(x):.{digits}g}"
+
+
+def _fmt_pct(x: Any, decimals: int = 1) -> str:
+    return "—" if _missing(x) else f"{100.0 * float(x):.{decimals}f} %"
+
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+# Markdown columns: (header, alignment, formatter of a table row).
+_MD_COLUMNS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
+    ("candidate", "l", lambda r: str(r["candidate"])),
+    ("KV cache", "l", lambda r: str(r["kv_cache_dtype"])),
+    ("runs", "r", lambda r: str(r["runs"])),
+    (
+        "mean KLD ± SE",
+        "r",
+        lambda r: (
+            _fmt_g(r["mean_kld"]) + ("" if _missing(r["mean_kld_se"]) else f" ± {r['mean_kld_se']:.2g}")
+        ),
+    ),
+    (
+        "run spread",
+        "r",
+        lambda r: _fmt_g(r["run_spread"], 3) + (" (identical)" if r["identical_runs"] else ""),
+    ),
+    ("top-1 same", "r", lambda r: "—" if _missing(r["same_top_pct"]) else f"{r['same_top_pct']:.2f} %"),
+    ("RMS Δp", "r", lambda r: _fmt_pct(r["rms_dp"], 3)),
+    ("PPL ratio", "r", lambda r: "—" if _missing(r["ppl_ratio"]) else f"{r['ppl_ratio']:.5f}"),
+    (
+        "reduction vs baseline [CI]",
+        "r",
+        lambda r: (
+            "—"
+            if _missing(r["reduction"])
+            else f"{_fmt_pct(r['reduction'])} [{_fmt_pct(r['reduction_ci_low'])}, {_fmt_pct(r['reduction_ci_high'])}]"
+        ),
+    ),
+    (
+        "verdict",
+        "l",
+        lambda r: str(r["verdict"]).upper() if r["verdict"] in ("pass", "fail") else r["verdict"],
+    ),
+)
+
+
+def table_markdown(df: pd.DataFrame) -> str:
+    """The comparison table as GitHub Markdown (formatted, one row per DataFrame row)."""
+    missing = [c for c in TABLE_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"not a comparison table: missing columns {missing}")
+    header = "| " + " | ".join(h for h, _, _ in _MD_COLUMNS) + " |"
+    rule = "|" + "|".join(":---" if a == "l" else "---:" for _, a, _ in _MD_COLUMNS) + "|"
+    lines = [header, rule]
+    for rec in df.to_dict(orient="records"):
+        lines.append("| " + " | ".join(_md_cell(fmt(rec)) for _, _, fmt in _MD_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str) -> Path:
+    """Write ``path`` through a same-directory temp file + ``os.replace``; the temp file never survives."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        kwargs = {"encoding": "utf-8", "newline": ""} if "b" not in mode else {}
+        with os.fdopen(fd, mode, **kwargs) as handle:
+            write(handle)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def write_table(df: pd.DataFrame, csv_path: str | os.PathLike[str], md_path: str | os.PathLike[str]) -> None:
+    """Write ``df`` as CSV (raw numbers, full precision) and as formatted Markdown, each atomically."""
+    csv_text = df.to_csv(index=False, lineterminator="\n")
+    md_text = table_markdown(df)
+    _write_atomic(csv_path, lambda h: h.write(csv_text), "w")
+    _write_atomic(md_path, lambda h: h.write(md_text), "w")
+
+
+# --------------------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------------------
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, out_path: str | os.PathLike[str]) -> Path:
+    return _write_atomic(
+        out_path,
+        lambda h: fig.savefig(h, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight"),
+        "wb",
+    )
+
+
+def _curves_np(curves: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    if not curves:
+        raise ValueError("no curves to plot")
+    out = {}
+    for name, values in curves.items():
+        x = _kl_tensor(values).numpy()
+        if x.size == 0:
+            raise ValueError(f"curve {name!r} is empty")
+        if np.isnan(x).any():
+            raise ValueError(f"curve {name!r} has NaN")
+        out[str(name)] = x
+    return out
+
+
+def plot_kl_cdf(
+    curves: Mapping[str, torch.Tensor],
+    out_path: str | os.PathLike[str],
+    *,
+    title: str = "Per-position KL(BF16 || candidate): empirical CDF",
+) -> Path:
+    """Empirical CDF of the per-position KL of each named curve, log x over the positive values.
+
+    Zeros sit at the left edge (a decade below the smallest positive KL; the CDF starts at their
+    fraction); ``inf`` values are off the right edge (the CDF tops out below 1). Curves with no positive
+    value at all (a BF16 self-check) are drawn as a step at 0 on a linear axis when nothing is positive.
+    """
+    data = _curves_np(curves)
+    positive = np.concatenate([x[(x > 0) & np.isfinite(x)] for x in data.values()])
+    fig = _new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    if positive.size:
+        lo, hi = float(positive.min()), float(positive.max())
+        left = lo / 10.0
+        right = hi * 10.0 if hi > lo else hi * 100.0
+        ax.set_xscale("log")
+    else:
+        left, right = -1.0, 1.0
+    for name, x in data.items():
+        n = x.size
+        zeros, infs = int((x == 0).sum()), int(np.isinf(x).sum())
+        finite_pos = np.sort(x[(x > 0) & np.isfinite(x)])
+        xs = np.concatenate([[left], finite_pos, [right]])
+        ys = np.concatenate([[zeros / n], (zeros + np.arange(1, finite_pos.size + 1)) / n, [(n - infs) / n]])
+        if not positive.size:
+            xs, ys = np.array([left, 0.0, right]), np.array([0.0, zeros / n, zeros / n])
+        notes = [f"mean {np.mean(x):.3g}" if math.isfinite(float(np.mean(x))) else "mean inf"]
+        if zeros:
+            notes.append(f"{zeros} zero" + ("s" if zeros > 1 else ""))
+        if infs:
+            notes.append(f"{infs} inf")
+        ax.step(xs, ys, where="post", linewidth=1.4, label=f"{name} ({', '.join(notes)})")
+    ax.set_xlim(left, right)
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("KL per position (nats)" + (", log scale; zeros at the left edge" if positive.size else ""))
+    ax.set_ylabel("fraction of positions ≤ x")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.35)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, out_path)
+
+
+def plot_per_position(
+    curves: Mapping[str, torch.Tensor],
+    out_path: str | os.PathLike[str],
+    *,
+    title: str = "Per-position KL(BF16 || candidate) along the prompt",
+) -> Path:
+    """Per-position KL along the prompt, one line per named curve (same length not required).
+
+    y is log when every finite value is positive, symlog when some are 0, linear when none is positive;
+    ``inf`` values are not drawn but counted in the legend.
+    """
+    data = _curves_np(curves)
+    finite = np.concatenate([x[np.isfinite(x)] for x in data.values()])
+    positive = finite[finite > 0]
+    fig = _new_figure(10.0, 4.8)
+    ax = fig.add_subplot()
+    if positive.size and positive.size == finite.size:
+        ax.set_yscale("log")
+        scale = "log"
+    elif positive.size:
+        ax.set_yscale("symlog", linthresh=float(positive.min()))
+        scale = "symlog"
+    else:
+        scale = "linear"
+    for name, x in data.items():
+        infs = int(np.isinf(x).sum())
+        shown = np.where(np.isinf(x), np.nan, x)
+        label = name + (f" ({infs} inf)" if infs else "")
+        ax.plot(np.arange(x.size), shown, linewidth=0.8, alpha=0.85, label=label)
+    ax.set_xlabel("prompt position t (predicting token t + 1)")
+    ax.set_ylabel(f"KL (nats, {scale} scale)")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.35)
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, out_path)
