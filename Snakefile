@@ -15,6 +15,7 @@ include: "workflow/rules/prompt.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/search.smk"
 include: "workflow/rules/export.smk"
+include: "workflow/rules/kld.smk"
 
 
 rule all:

@@ -27,8 +27,17 @@ def raw_search():
     return config
 
 
+KLD_STAGES = {"reference_logits", "run_kld", "gate_kld", "kld_report", "check_kld_gates"}
+
+
 def keys(raw_config):
-    return {name: art.key for name, art in resolve_artifacts(validate_config(raw_config)).items()}
+    """Keys of the quantization graph (the KLD stages downstream of it are tested separately below)."""
+    art = resolve_artifacts(validate_config(raw_config))
+    return {
+        name: a.key
+        for name, a in art.items()
+        if a.stage not in KLD_STAGES and not name.startswith("candidate/")
+    }
 
 
 def edited(raw_config, section, **values):
@@ -58,8 +67,9 @@ def test_calibration_knob_moves_calibration_and_what_reads_it(raw):
 def test_nvfp4_knob_moves_only_nvfp4_layers(raw):
     changed_raw = copy.deepcopy(raw)
     changed_raw["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
+    # layers 1-4 of the placement, 5-8 of the uniform-NVFP4 KLD candidate
     assert moved(keys(raw), keys(changed_raw)) == ["checkpoint"] + [
-        f"layer/{layer}/nvfp4_w4a16" for layer in (1, 2, 3, 4)
+        f"layer/{layer}/nvfp4_w4a16" for layer in range(1, 9)
     ]
 
 
@@ -161,7 +171,8 @@ def test_max_calibration_scores_modelopt_fake_quant_of_the_bf16_weights(raw_sear
     }
     assert art["scores/nvfp4_w4a16/1-4"].upstream == {"model": "model", "calibration": "calibration"}
     assert art["scores/fp8/5-8"].settings["weights"] == "max"
-    assert not any(a.stage == "quantize_layer" for a in art.values())  # nothing is rebuilt to search
+    scores = [a for a in art.values() if a.stage == "score_sensitivity"]
+    assert not any(role.startswith("layer_") for a in scores for role in a.upstream)  # nothing rebuilt
     assert art["scores/fp8/5-8"].key != resolve_artifacts(validate_config(raw_search))["scores/fp8/5-8"].key
 
 
@@ -221,3 +232,89 @@ def test_checkpoint_follows_the_placement_content_not_the_budget(raw_search, raw
     # ... and it is the very checkpoint an explicit placement with the same map gives
     assert a["checkpoint"].key == resolve_artifacts(validate_config(raw))["checkpoint"].key
     assert a["layer/7/bf16"].stage == "quantize_layer"
+
+
+# --------------------------------------------------------------------------------------------- kld
+
+
+TOY_PLACEMENT = {1: "nvfp4_w4a16", 2: "nvfp4_w4a16", 3: "fp8", 4: "fp8", 5: "nvfp4_w4a16"}
+TOY_PLACEMENT.update({6: "nvfp4_w4a16", 7: "bf16", 8: "bf16"})
+
+
+def by_stage(art, stage):
+    return sorted(name for name, a in art.items() if a.stage == stage)
+
+
+def test_kld_graph_before_and_after_the_placement(raw_search):
+    cfg = validate_config(raw_search)
+    before = resolve_artifacts(cfg)
+    # what does not depend on the placement is planned up front: the uniform-NVFP4 candidate's export
+    # and the runs and gates of uniform-nvfp4 (the baseline) and the BF16 self-check
+    assert before["reference_logits"].upstream == {"model": "model", "prompt": "prompt"}
+    assert by_stage(before, "export_checkpoint") == ["candidate/uniform-nvfp4"]
+    runs = by_stage(before, "run_kld")
+    assert len(runs) == 2 * 2 * 5 and not any(name.startswith("kld/searched/") for name in runs)
+    assert by_stage(before, "gate_kld") == ["gate/bf16/bfloat16", "gate/bf16/fp8"] + [
+        "gate/uniform-nvfp4/bfloat16",
+        "gate/uniform-nvfp4/fp8",
+    ]
+    assert "kld_report" not in before and "kld_verdict" not in before
+    after = resolve_artifacts(cfg, placement=TOY_PLACEMENT)
+    assert len(by_stage(after, "run_kld")) == 3 * 2 * 5 and len(by_stage(after, "gate_kld")) == 6
+    assert after["kld/searched/fp8/4"].upstream["candidate"] == "checkpoint"
+    assert after["kld/bf16/bfloat16/0"].upstream["candidate"] == "model"
+    assert after["kld/uniform-nvfp4/fp8/0"].upstream["candidate"] == "candidate/uniform-nvfp4"
+    gate = after["gate/searched/fp8"]
+    assert set(gate.upstream) == {f"run_{i}" for i in range(5)} | {f"baseline_run_{i}" for i in range(5)}
+    assert gate.upstream["baseline_run_3"] == "kld/uniform-nvfp4/fp8/3"
+    assert "baseline_run_0" not in after["gate/uniform-nvfp4/fp8"].upstream  # the baseline itself
+    assert after["gate/bf16/bfloat16"].settings["require_exact_zero"] is True
+    assert after["gate/bf16/fp8"].settings["require_exact_zero"] is False
+    assert after["kld_verdict"].upstream == {"report": "kld_report"}
+    # the uniform candidate's layers are the search's own NVFP4 results (same keys)
+    assert after["candidate/uniform-nvfp4"].upstream["layer_3"] == "layer/3/nvfp4_w4a16"
+
+
+def test_run_keys_follow_content_not_names(raw_search):
+    renamed = copy.deepcopy(raw_search)
+    renamed["kld"]["candidates"][1]["name"] = "nvfp4-everywhere"
+    renamed["kld"]["baseline"] = "nvfp4-everywhere"
+    a = resolve_artifacts(validate_config(raw_search))
+    b = resolve_artifacts(validate_config(renamed))
+    assert a["kld/uniform-nvfp4/fp8/2"].key == b["kld/nvfp4-everywhere/fp8/2"].key
+    keys_ = {a[f"kld/bf16/{kv}/{run}"].key for kv in ("bfloat16", "fp8") for run in range(5)}
+    assert len(keys_) == 10  # every (KV dtype, run) is its own fresh-engine job
+
+
+def test_gate_settings_move_only_gates_report_and_verdict(raw_search):
+    changed = copy.deepcopy(raw_search)
+    changed["kld"]["gates"]["max_mean_kld"] = 0.01
+    a = resolve_artifacts(validate_config(raw_search), placement=TOY_PLACEMENT)
+    b = resolve_artifacts(validate_config(changed), placement=TOY_PLACEMENT)
+    assert {n for n in a if a[n].key != b[n].key} == {n for n in a if n.startswith("gate/")} | {
+        "kld_report",
+        "kld_verdict",
+    }
+    seed = copy.deepcopy(raw_search)
+    seed["kld"]["seed"] = 1
+    c = resolve_artifacts(validate_config(seed), placement=TOY_PLACEMENT)
+    moved_ = {n for n in a if a[n].key != c[n].key}
+    assert "reference_logits" in moved_ and all(n in moved_ for n in a if n.startswith("kld/"))
+    assert "checkpoint" not in moved_ and "placement" not in moved_
+
+
+def test_bad_kld_candidates_are_refused(raw_search):
+    from mixquant.config import ConfigError
+
+    bad = copy.deepcopy(raw_search)
+    bad["kld"]["baseline"] = "nope"
+    with pytest.raises(ConfigError, match="baseline 'nope' is not a candidate"):
+        validate_config(bad)
+    bad = copy.deepcopy(raw_search)
+    bad["kld"]["candidates"].append({"name": "x", "source": "uniform"})
+    with pytest.raises(ConfigError, match="`format` is required"):
+        validate_config(bad)
+    bad = copy.deepcopy(raw_search)
+    bad["kld"]["candidates"].append({"name": "bf16", "source": "bf16"})
+    with pytest.raises(ConfigError, match="used twice"):
+        validate_config(bad)

@@ -75,7 +75,7 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
         "score_sensitivity": 4,
         "solve_placement": 1,
     }
-    wd.snakemake("--configfile", changed)
+    wd.snakemake("--configfile", changed, wd.paths(changed)["calibration"]["path"])
     after = wd.paths(changed)
     assert after["model"] == before["model"] and after["prompt"] == before["prompt"]
     new_dir = _dir(wd, after, "calibration")
@@ -135,15 +135,15 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     config["model"] = {"source": "local", "local": {"path": str(_dir(wd, toy, "model"))}, "moe_layers": "1-8"}
     config["placement"]["source"] = "explicit"  # about pinning the model: skip the search here
     local = wd.write_config("config/local.yaml", config)
-    assert wd.plan(local) == {
+    plan = wd.plan(local)
+    assert {k: plan.get(k) for k in ("fetch_model", "sample_calibration", "pin_prompt")} == {
         "fetch_model": 1,
         "sample_calibration": 1,
         "pin_prompt": 1,
-        "collect_activation_stats": 1,
-        "quantize_layer": 8,
-        "export_checkpoint": 1,
     }
-    wd.snakemake("--configfile", local)
+    assert plan["collect_activation_stats"] == 1 and plan["quantize_layer"] == 12  # + uniform NVFP4
+    paths = wd.paths(local)
+    wd.snakemake("--configfile", local, *(paths[n]["path"] for n in ("model", "calibration")))
     paths = wd.paths(local)
     fetched = read_manifest(_dir(wd, paths, "model"))
     shards = {
@@ -167,16 +167,32 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
     config["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
     # calibration, activations, FP8 results and FP8 scores stay: the 8 NVFP4 layer results the search
     # scores, their 2 score jobs and the solve
-    assert wd.plan(wd.write_config("config/nvfp4-max.yaml", config)) == {
+    plan = wd.plan(wd.write_config("config/nvfp4-max.yaml", config))
+    assert {rule: plan[rule] for rule in ("quantize_layer", "score_sensitivity", "solve_placement")} == {
         "quantize_layer": 8,
         "score_sensitivity": 2,
         "solve_placement": 1,
     }
-    config["placement"]["source"] = "explicit"  # without the search: the 4 placed NVFP4 layers only
-    assert wd.plan(wd.write_config("config/nvfp4-max-explicit.yaml", config)) == {
-        "quantize_layer": 4,
+    # and the uniform-NVFP4 KLD candidate: its export, runs and the gates that compare with it
+    assert {
+        k: v for k, v in plan.items() if k not in ("quantize_layer", "score_sensitivity", "solve_placement")
+    } == {
         "export_checkpoint": 1,
+        "run_kld": 10,
+        "gate_kld": 4,
     }
+    config["placement"]["source"] = "explicit"  # without the search: the placed layers only
+    explicit = wd.write_config("config/nvfp4-max-explicit.yaml", config)
+    plan = wd.plan(explicit)
+    # NVFP4 layers 1-4 placed + 5-8 of the uniform-NVFP4 KLD candidate, the placed BF16 layers the search
+    # did not build, both exports; nothing upstream
+    missing = [n for n, row in wd.paths(explicit).items() if n.startswith("layer/") and not row["done"]]
+    assert sorted(n for n in missing if n.endswith("nvfp4_w4a16")) == [
+        f"layer/{layer}/nvfp4_w4a16" for layer in range(1, 9)
+    ]
+    assert all(n.endswith(("/nvfp4_w4a16", "/bf16")) for n in missing)
+    assert plan["quantize_layer"] == len(missing) and plan["export_checkpoint"] == 2
+    assert not {"sample_calibration", "collect_activation_stats", "score_sensitivity"} & set(plan)
 
 
 def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
@@ -186,12 +202,15 @@ def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
     config["placement"]["explicit"]["layers"].append({"layers": "8", "format": "nvfp4_w4a16"})
     moved = wd.write_config("config/layer8-nvfp4.yaml", config)
     # every NVFP4 and FP8 layer result exists (the search scored them); BF16 ones only where it chose BF16
-    missing = [n for n, row in wd.paths(moved).items() if n.startswith("layer/") and not row["done"]]
+    paths = wd.paths(moved)
+    missing = [n for n, row in paths.items() if n.startswith("layer/") and not row["done"]]
     assert all(name.endswith("/bf16") for name in missing)
-    assert wd.plan(moved) == {**({"quantize_layer": len(missing)} if missing else {}), "export_checkpoint": 1}
-    wd.snakemake("--configfile", moved)
+    kld = {"run_kld": 10, "gate_kld": 2, "kld_report": 1, "check_kld_gates": 1}  # this checkpoint's KLD
+    expected = {**({"quantize_layer": len(missing)} if missing else {}), "export_checkpoint": 1, **kld}
+    assert wd.plan(moved) == expected
+    wd.snakemake("--configfile", moved, paths["checkpoint"]["path"])
     config["placement"]["explicit"]["layers"][-1] = {"layers": "8", "format": "fp8"}
-    assert wd.plan(wd.write_config("config/layer8-fp8.yaml", config)) == {"export_checkpoint": 1}
+    assert wd.plan(wd.write_config("config/layer8-fp8.yaml", config)) == {"export_checkpoint": 1, **kld}
     assert wd.plan() == {}  # the searched placement's outputs are all still there
 
 

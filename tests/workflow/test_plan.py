@@ -12,6 +12,12 @@ TOY_DAG = {
     "quantize_layer": 16,  # every MoE layer in NVFP4 and in FP8: the weights the search scores
     "score_sensitivity": 4,  # 2 formats x 2 chunks of 4 layers
     "solve_placement": 1,
+    # KLD of what does not depend on the placement: the uniform-NVFP4 candidate (its export reuses the
+    # search's NVFP4 layer results) and the BF16 self-check, 2 KV dtypes x 5 runs each, and their gates
+    "export_checkpoint": 1,
+    "reference_logits": 1,
+    "run_kld": 20,
+    "gate_kld": 4,
 }
 
 
@@ -27,20 +33,28 @@ def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
         "sample_calibration": 1,
         "pin_prompt": 1,
         "collect_activation_stats": 1,
-        "quantize_layer": 8,  # one job per MoE layer of the toy, in its placed format
-        "export_checkpoint": 1,
+        "quantize_layer": 12,  # each MoE layer in its placed format, + layers 5-8 in NVFP4 (uniform)
+        "export_checkpoint": 2,  # the placement's and the uniform-NVFP4 candidate's
+        "reference_logits": 1,
+        "run_kld": 30,  # 3 candidates x 2 KV dtypes x 5 runs
+        "gate_kld": 6,
+        "kld_report": 1,
+        "check_kld_gates": 1,
     }
 
 
 def test_reference_config_plans_without_weights(workdir):
     assert workdir.plan("config/laguna-s-2.1.yaml") == {
-        "fetch_model": 1,
         "sample_calibration": 1,
         "pin_prompt": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 94,  # 47 MoE layers x (NVFP4, FP8)
         "score_sensitivity": 24,  # 2 formats x 12 chunks of 4 layers
         "solve_placement": 1,
+        "fetch_model": 2,  # the BF16 model and the pinned baseline checkpoint
+        "reference_logits": 1,
+        "run_kld": 10,  # the baseline, 2 KV dtypes x 5 runs; the searched candidate's follow the solve
+        "gate_kld": 2,
     }
     paths = workdir.paths("config/laguna-s-2.1.yaml")
     assert paths["model"]["path"].startswith("results/fetch_model/")

@@ -179,6 +179,11 @@ STAGE_RUNNERS = {
     "score_sensitivity": "mixquant.search.run:run_score_sensitivity",
     "solve_placement": "mixquant.search.run:run_solve_placement",
     "export_checkpoint": "mixquant.export.run:run_export_checkpoint",
+    "reference_logits": "mixquant.kld.run:run_reference_logits",
+    "run_kld": "mixquant.kld.run:run_kld",
+    "gate_kld": "mixquant.kld.run:run_gate_kld",
+    "kld_report": "mixquant.kld.run:run_kld_report",
+    "check_kld_gates": "mixquant.kld.run:run_check_kld_gates",
 }
 
 

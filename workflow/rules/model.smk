@@ -22,22 +22,24 @@ if CFG.model.source == "toy":
         script:
             "../scripts/build_toy_model.py"
 
-else:
 
-    rule fetch_model:
-        output:
-            model=directory(artifact_path("model")),
-        log:
-            stage_log("model"),
-        benchmark:
-            stage_benchmark("model")
-        conda:
-            "../../envs/quant.yaml"
-        threads: 1
-        resources:
-            mem_mb=4000,
-            runtime=240,
-        params:
-            stage=stage_params("model"),
-        script:
-            "../scripts/fetch_model.py"
+# Real models and external KLD candidates: pinned by hub revision or by local content.
+rule fetch_model:
+    output:
+        model=directory(f"{CFG.results_dir}/fetch_model/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/fetch_model/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/fetch_model/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=240,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/fetch_model.py"

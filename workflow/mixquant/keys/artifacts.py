@@ -91,26 +91,24 @@ def _model_artifact(graph: _Graph) -> None:
         )
     elif model.source == "hub":
         assert model.hub is not None
-        pin = model.hub.model_dump(mode="json")
-        graph.add(
-            "model",
-            "fetch_model",
-            {"source": "hub", **pin, "trust_remote_code": model.trust_remote_code},
-            {"source": "hub", **pin, "trust_remote_code": model.trust_remote_code},
-            {},
-        )
+        _fetch_artifact(graph, "model", model.hub.model_dump(mode="json"), None, model.trust_remote_code)
     else:
-        from mixquant.model.fetch import local_dir_identity
-
         assert model.local is not None
-        files = local_dir_identity(model.local.path, cache_dir=graph.hash_cache_dir)
-        graph.add(
-            "model",
-            "fetch_model",
-            {"source": "local", "files": files},
-            {"source": "local", "path": model.local.path},
-            {},
-        )
+        _fetch_artifact(graph, "model", None, model.local.path, False)
+
+
+def _fetch_artifact(graph: _Graph, name: str, hub: dict | None, local: str | None, remote_code: bool) -> None:
+    """A checkpoint pinned by hub revision or by the content of a local directory (fetch_model)."""
+    if hub is not None:
+        pin = {"source": "hub", **hub, "trust_remote_code": remote_code}
+        graph.add(name, "fetch_model", pin, pin, {})
+        return
+    from mixquant.model.fetch import local_dir_identity
+
+    files = local_dir_identity(local, cache_dir=graph.hash_cache_dir)
+    graph.add(
+        name, "fetch_model", {"source": "local", "files": files}, {"source": "local", "path": local}, {}
+    )
 
 
 def _tokenizer_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
@@ -181,6 +179,7 @@ def resolve_artifacts(
     if placement is not None:
         _rebuild_artifacts(graph, placement)
         _export_artifact(graph, placement)
+    _kld_artifacts(graph, placement is not None)
     return graph.artifacts
 
 
@@ -195,8 +194,11 @@ def moe_layers(cfg: MixquantConfig) -> list[int]:
 
 def placement_from_config(cfg: MixquantConfig) -> dict[int, str]:
     """MoE layer -> routed-expert format, from the explicit placement (every MoE layer listed)."""
+    return _explicit_map(cfg, cfg.placement.explicit)
+
+
+def _explicit_map(cfg: MixquantConfig, explicit: Any) -> dict[int, str]:
     layers = moe_layers(cfg)
-    explicit = cfg.placement.explicit
     placement = dict.fromkeys(layers, explicit.default_format)
     for entry in explicit.layers:
         for layer in parse_layer_ranges(entry.layers):
@@ -323,7 +325,7 @@ def _search_artifacts(graph: _Graph) -> None:
     graph.add("placement", "solve_placement", solve_slice, solve_slice, {"model": "model", **roles})
 
 
-def _export_artifact(graph: _Graph, placed: dict[int, str]) -> None:
+def _export_artifact(graph: _Graph, placed: dict[int, str], name: str = "checkpoint") -> None:
     """The checkpoint: the source model plus every placed layer x format result (and KV amax).
 
     The placement enters by content (layer -> format), not by the placement artifact's key: a budget
@@ -347,7 +349,112 @@ def _export_artifact(graph: _Graph, placed: dict[int, str]) -> None:
     )
     if export["kv_cache_quant"]:
         upstream["activations"] = "activations"
-    graph.add("checkpoint", "export_checkpoint", config_slice, config_slice, upstream)
+    graph.add(name, "export_checkpoint", config_slice, config_slice, upstream)
+
+
+def engine_settings(cfg: MixquantConfig) -> dict[str, Any]:
+    """The engine settings that decide logits (everything but the KV-cache dtype, which varies)."""
+    kld = cfg.kld
+    return {
+        "engine": kld.engine,
+        "tensor_parallel_size": kld.tensor_parallel_size,
+        "dtype": kld.dtype,
+        "enforce_eager": kld.enforce_eager,
+        "seed": kld.seed,
+        "enable_prefix_caching": kld.enable_prefix_caching,
+        "max_model_len": kld.max_model_len,
+    }
+
+
+def _candidate_artifact(graph: _Graph, candidate: Any, placed: bool) -> str | None:
+    """The artifact holding a KLD candidate's checkpoint (None until the placement is known)."""
+    cfg = graph.cfg
+    name = f"candidate/{candidate.name}"
+    if candidate.source == "searched":
+        return "checkpoint" if placed else None
+    if candidate.source == "bf16":
+        return "model"
+    if candidate.source in ("uniform", "explicit"):
+        if candidate.source == "uniform":
+            placement = dict.fromkeys(moe_layers(cfg), candidate.format)
+        else:
+            placement = _explicit_map(cfg, candidate.explicit)
+        _rebuild_artifacts(graph, placement)
+        _export_artifact(graph, placement, name)
+        return name
+    hub = candidate.hub.model_dump(mode="json") if candidate.hub is not None else None
+    _fetch_artifact(graph, name, hub, candidate.local.path if candidate.local else None, False)
+    return name
+
+
+def _kld_artifacts(graph: _Graph, placed: bool) -> None:
+    """Reference logits; per (candidate, KV dtype, run) a run_kld job; per (candidate, KV dtype) a gate;
+    then the report and the verdict once every candidate is known.
+
+    A run's key holds the engine settings, the KV dtype, the run index and the keys of the reference, the
+    prompt and the candidate's checkpoint -- not the candidate's name, so a renamed candidate keeps its
+    runs. Gates hold the gate settings and the keys of their runs (and the baseline's runs).
+    """
+    cfg = graph.cfg
+    kld = cfg.kld
+    engine = engine_settings(cfg)
+    graph.add(
+        "reference_logits",
+        "reference_logits",
+        {"engine": engine, "kv_cache_dtype": "bfloat16"},
+        {"engine": engine, "kv_cache_dtype": "bfloat16"},
+        {"model": "model", "prompt": "prompt"},
+    )
+    sources = {c.name: _candidate_artifact(graph, c, placed) for c in kld.candidates}
+    for candidate in kld.candidates:
+        if sources[candidate.name] is None:
+            continue
+        for kv in kld.kv_cache_dtypes:
+            for run in range(kld.runs):
+                run_slice = {"engine": engine, "kv_cache_dtype": kv, "run": run}
+                upstream = {
+                    "reference": "reference_logits",
+                    "prompt": "prompt",
+                    "candidate": sources[candidate.name],
+                }
+                graph.add(f"kld/{candidate.name}/{kv}/{run}", "run_kld", run_slice, run_slice, upstream)
+    gated = kld.gates.gated or [c.name for c in kld.candidates if c.name != kld.baseline]
+    for candidate in kld.candidates:
+        baseline = kld.baseline if kld.baseline not in (None, candidate.name) else None
+        if sources[candidate.name] is None or (baseline is not None and sources[baseline] is None):
+            continue
+        for kv in kld.kv_cache_dtypes:
+            upstream = {f"run_{run}": f"kld/{candidate.name}/{kv}/{run}" for run in range(kld.runs)}
+            if baseline is not None:
+                upstream.update(
+                    {f"baseline_run_{run}": f"kld/{baseline}/{kv}/{run}" for run in range(kld.runs)}
+                )
+            gates = kld.gates.model_dump(mode="json")
+            gates.pop("gated")
+            gate_slice = {
+                "candidate": candidate.name,
+                "source": candidate.source,
+                "kv_cache_dtype": kv,
+                "baseline": baseline,
+                "gated": candidate.name in gated,
+                "gates": gates,
+                # the BF16 self-check must be exactly 0 where the engine is exact (hf, BF16 KV)
+                "require_exact_zero": candidate.source == "bf16" and kv == "bfloat16" and kld.engine == "hf",
+                # hf is deterministic: its runs must be bit-identical
+                "require_identical_runs": kld.engine == "hf",
+            }
+            graph.add(f"gate/{candidate.name}/{kv}", "gate_kld", gate_slice, gate_slice, upstream)
+    if all(source is not None for source in sources.values()):
+        gates_up = {
+            f"gate_{c.name}_{kv}": f"gate/{c.name}/{kv}" for c in kld.candidates for kv in kld.kv_cache_dtypes
+        }
+        report_slice = {
+            "candidates": [c.name for c in kld.candidates],
+            "kv_cache_dtypes": list(kld.kv_cache_dtypes),
+            "baseline": kld.baseline,
+        }
+        graph.add("kld_report", "kld_report", report_slice, report_slice, gates_up)
+        graph.add("kld_verdict", "check_kld_gates", report_slice, report_slice, {"report": "kld_report"})
 
 
 def layer_artifacts(artifacts: dict[str, Artifact]) -> list[Artifact]:
@@ -362,6 +469,8 @@ def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
 
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
-    """Directories `rule all` asks for (the checkpoint once the placement is known)."""
-    names = ("model", "calibration", "prompt", "placement", "checkpoint")
-    return [str(artifacts[name].path) for name in names if name in artifacts]
+    """Directories `rule all` asks for (the checkpoint and the KLD verdict once the placement is known)."""
+    names = ("model", "calibration", "prompt", "placement", "checkpoint", "kld_verdict")
+    targets = [str(artifacts[name].path) for name in names if name in artifacts]
+    # gates known before the placement (candidates that do not depend on it) can run early
+    return targets + [str(a.path) for a in artifacts.values() if a.stage == "gate_kld"]

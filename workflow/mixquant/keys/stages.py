@@ -88,6 +88,31 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.search.solve", "mixquant.search.run", "mixquant.search.plots"),
             ("pulp", "matplotlib"),
         ),
+        # Logits: the engine (and what it loads a checkpoint with) decides them.
+        StageSpec(
+            "reference_logits",
+            (
+                "mixquant.kld.engines",
+                "mixquant.kld.run",
+                "mixquant.export.dequant",
+                "mixquant.search.score",
+            ),
+            ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
+        ),
+        StageSpec(
+            "run_kld",
+            (
+                "mixquant.kld.engines",
+                "mixquant.kld.stats",
+                "mixquant.kld.run",
+                "mixquant.export.dequant",
+                "mixquant.search.score",
+            ),
+            ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
+        ),
+        StageSpec("gate_kld", ("mixquant.kld.report", "mixquant.kld.run"), ("torch",)),
+        StageSpec("kld_report", ("mixquant.kld.report", "mixquant.kld.run"), ("pandas", "matplotlib")),
+        StageSpec("check_kld_gates", ("mixquant.kld.run",), ()),
         # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
         StageSpec(
             "export_checkpoint",

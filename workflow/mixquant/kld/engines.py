@@ -245,8 +245,16 @@ def describe_checkpoint(model_dir: str | Path, who: str = "engine") -> dict[str,
 
 
 def _is_modelopt(hf_quant: Mapping[str, Any]) -> bool:
+    """ModelOpt's own export, or mixquant's (producer mixquant, numerics ModelOpt: the same schema)."""
     producer = hf_quant.get("producer") or {}
-    return isinstance(producer, Mapping) and producer.get("name") == "modelopt"
+    if not isinstance(producer, Mapping):
+        return False
+    numerics = producer.get("numerics") or {}
+    return producer.get("name") == "modelopt" or (
+        producer.get("name") == "mixquant"
+        and isinstance(numerics, Mapping)
+        and numerics.get("name") == "modelopt"
+    )
 
 
 def _check_hf_supported(desc: Mapping[str, Any]) -> None:

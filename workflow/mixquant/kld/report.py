@@ -83,10 +83,11 @@ def aggregate_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Aggregate the runs of one (candidate, KV-cache dtype): each ``{"summary": summarize(...), "kl": [N]}``.
 
     Returns ``runs``, ``mean_kld`` (mean over runs of the run means), ``mean_kld_runs``, ``run_spread``
-    (max - min of the run means), ``run_std`` (sample std of the run means, 0.0 for one run),
-    ``identical_runs`` (every run's per-position KL bit-identical to the first's), ``summary`` (the mean
-    over runs of each numeric summary statistic) and ``kl`` (the mean per-position KL over runs, a float64
-    tensor: not JSON, see :func:`aggregate_to_json`).
+    (max - min of the run means), ``run_std`` (sample std of the run means), ``identical_runs`` (every
+    run's per-position KL bit-identical to the first's), ``summary`` (the mean over runs of each numeric
+    summary statistic) and ``kl`` (the mean per-position KL over runs, a float64 tensor: not JSON, see
+    :func:`aggregate_to_json`). Means of equal values are exactly that value (identical runs reproduce
+    the run's own numbers, spread and std exactly 0.0).
     """
     if not runs:
         raise ValueError("no runs to aggregate")
@@ -103,17 +104,25 @@ def aggregate_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for k, v in summaries[0].items()
         if isinstance(v, int | float) and not isinstance(v, bool) and all(k in s for s in summaries)
     ]
-    summary = {k: float(np.mean([float(s[k]) for s in summaries])) for k in keys}
+    summary = {k: _mean([s[k] for s in summaries]) for k in keys}
     return {
         "runs": len(runs),
-        "mean_kld": float(np.mean(means)),
+        "mean_kld": _mean(means),
         "mean_kld_runs": means,
-        "run_spread": float(max(means) - min(means)),
-        "run_std": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
+        "run_spread": 0.0 if max(means) == min(means) else float(max(means) - min(means)),
+        "run_std": float(np.std(means, ddof=1)) if max(means) > min(means) else 0.0,
         "identical_runs": bool(identical),
         "summary": summary,
-        "kl": torch.stack(kls).mean(dim=0),
+        "kl": kls[0].clone() if identical else torch.stack(kls).mean(dim=0),
     }
+
+
+def _mean(values: Sequence[float]) -> float | int:
+    """Mean of ``values``; exactly the common value (an int stays an int) when they are all equal."""
+    first = values[0]
+    if all(v == first for v in values):
+        return int(first) if isinstance(first, int) else float(first)
+    return float(np.mean([float(v) for v in values]))
 
 
 def aggregate_to_json(aggregate: Mapping[str, Any]) -> dict[str, Any]:
@@ -317,6 +326,13 @@ def _md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _fmt_reduction(r: Mapping[str, Any]) -> str:
+    if _missing(r["reduction"]):
+        return "—"
+    ci = f"[{_fmt_pct(r['reduction_ci_low'])}, {_fmt_pct(r['reduction_ci_high'])}]"
+    return f"{_fmt_pct(r['reduction'])} {ci}"
+
+
 # Markdown columns: (header, alignment, formatter of a table row).
 _MD_COLUMNS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("candidate", "l", lambda r: str(r["candidate"])),
@@ -337,15 +353,7 @@ _MD_COLUMNS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("top-1 same", "r", lambda r: "—" if _missing(r["same_top_pct"]) else f"{r['same_top_pct']:.2f} %"),
     ("RMS Δp", "r", lambda r: _fmt_pct(r["rms_dp"], 3)),
     ("PPL ratio", "r", lambda r: "—" if _missing(r["ppl_ratio"]) else f"{r['ppl_ratio']:.5f}"),
-    (
-        "reduction vs baseline [CI]",
-        "r",
-        lambda r: (
-            "—"
-            if _missing(r["reduction"])
-            else f"{_fmt_pct(r['reduction'])} [{_fmt_pct(r['reduction_ci_low'])}, {_fmt_pct(r['reduction_ci_high'])}]"
-        ),
-    ),
+    ("reduction vs baseline [CI]", "r", _fmt_reduction),
     (
         "verdict",
         "l",

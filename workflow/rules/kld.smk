@@ -1,0 +1,111 @@
+# KLD gates: BF16 reference logits on the pinned prompt, one fresh-engine run per (candidate, KV
+# dtype, run), a gate per (candidate, KV dtype), the comparison report and the verdict.
+
+
+rule reference_logits:
+    input:
+        unpack(keyed_inputs),
+    output:
+        reference=directory(f"{CFG.results_dir}/reference_logits/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/reference_logits/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/reference_logits/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/reference_logits.py"
+
+
+rule run_kld:
+    input:
+        unpack(keyed_inputs),
+    output:
+        run=directory(f"{CFG.results_dir}/run_kld/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/run_kld/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/run_kld/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/run_kld.py"
+
+
+rule gate_kld:
+    input:
+        unpack(keyed_inputs),
+    output:
+        gate=directory(f"{CFG.results_dir}/gate_kld/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/gate_kld/{{key}}.log",
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/gate_kld.py"
+
+
+rule kld_report:
+    input:
+        unpack(keyed_inputs),
+    output:
+        report=directory(f"{CFG.results_dir}/kld_report/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/kld_report/{{key}}.log",
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/kld_report.py"
+
+
+rule check_kld_gates:
+    input:
+        unpack(keyed_inputs),
+    output:
+        verdict=directory(f"{CFG.results_dir}/check_kld_gates/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/check_kld_gates/{{key}}.log",
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/check_kld_gates.py"

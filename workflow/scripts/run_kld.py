@@ -1,0 +1,9 @@
+"""Rule run_kld (mixquant.kld.run.run_kld)."""
+
+from mixquant.kld.run import run_kld
+from mixquant.rulelog import rule_logging
+
+with rule_logging(snakemake.log[0]):
+    stage = dict(snakemake.params.stage)
+    stage["settings"] = {**stage["settings"], "threads": snakemake.threads}
+    run_kld(snakemake.output[0], **dict(snakemake.input.items()), **stage)
