@@ -68,7 +68,7 @@ STAGES: dict[str, StageSpec] = {
         ),
         StageSpec(
             "collect_activation_stats",
-            ("mixquant.quantize.activations",),
+            ("mixquant.quantize.activations", "mixquant.model.attention"),
             ("torch", "transformers", "safetensors"),
         ),
         StageSpec(
@@ -96,6 +96,7 @@ STAGES: dict[str, StageSpec] = {
                 "mixquant.kld.run",
                 "mixquant.export.dequant",
                 "mixquant.search.score",
+                "mixquant.model.attention",
             ),
             ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
         ),
@@ -107,6 +108,7 @@ STAGES: dict[str, StageSpec] = {
                 "mixquant.kld.run",
                 "mixquant.export.dequant",
                 "mixquant.search.score",
+                "mixquant.model.attention",
             ),
             ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
         ),

@@ -353,15 +353,9 @@ def fp8_kv_fake_quant(
     layer; without it, each call uses its own max |x| (dynamic). ModelOpt's ``scaled_e4m3_impl``.
     ``calls`` counts the quantized ``(layer, "k" / "v")`` tensors.
     """
-    import inspect
-
     from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
 
-    attn_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if not attn_modules:
-        raise RuntimeError("no attention modules found")
-    modeling = inspect.getmodule(type(attn_modules[0]))
-    impl = model.config._attn_implementation
+    from mixquant.model.attention import attention_kv_hook
 
     def quantize(layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         if static_amax is not None:
@@ -372,33 +366,11 @@ def fp8_kv_fake_quant(
             calls[(layer, kind)] += 1
         return scaled_e4m3_impl(x, amax)
 
-    def wrap(orig):
-        def attention(module, query, key, value, *args, **kwargs):
-            layer = int(module.layer_idx)
-            key, value = quantize(layer, "k", key), quantize(layer, "v", value)
-            return orig(module, query, key, value, *args, **kwargs)
+    def hook(layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize(layer, "k", key), quantize(layer, "v", value)
 
-        return attention
-
-    if impl in (None, "eager"):
-        orig = modeling.eager_attention_forward
-        modeling.eager_attention_forward = wrap(orig)
-        try:
-            yield
-        finally:
-            modeling.eager_attention_forward = orig
-        return
-    registry = modeling.ALL_ATTENTION_FUNCTIONS
-    local = registry._local_mapping
-    had_local, previous = impl in local, local.get(impl)
-    registry[impl] = wrap(registry[impl])
-    try:
+    with attention_kv_hook(model, hook):
         yield
-    finally:
-        if had_local:
-            local[impl] = previous
-        else:
-            local.pop(impl, None)
 
 
 class HfEngine:

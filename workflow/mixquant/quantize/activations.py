@@ -227,39 +227,16 @@ def _intercept_expert_linears(recorders: dict[int, _ExpertRecorder]) -> Iterator
 @contextlib.contextmanager
 def _intercept_attention(model: torch.nn.Module, k_amax: dict, v_amax: dict) -> Iterator[None]:
     """Record max |K| / |V| handed to the attention function (after k_norm + RoPE / after v_proj)."""
-    import inspect
+    from mixquant.model.attention import attention_kv_hook
 
-    attn_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if not attn_modules:
-        raise RuntimeError("no attention modules found")
-    modeling = inspect.getmodule(type(attn_modules[0]))
-    impl = model.config._attn_implementation
+    def record(layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for store, x in ((k_amax, key), (v_amax, value)):
+            amax = _amax(x)
+            store[layer] = amax if layer not in store else torch.maximum(store[layer], amax)
+        return key, value
 
-    def wrap(orig):
-        def attention(module, query, key, value, *args, **kwargs):
-            layer = int(module.layer_idx)
-            for store, x in ((k_amax, key), (v_amax, value)):
-                amax = _amax(x)
-                store[layer] = amax if layer not in store else torch.maximum(store[layer], amax)
-            return orig(module, query, key, value, *args, **kwargs)
-
-        return attention
-
-    if impl in (None, "eager"):
-        orig = modeling.eager_attention_forward
-        modeling.eager_attention_forward = wrap(orig)
-        try:
-            yield
-        finally:
-            modeling.eager_attention_forward = orig
-    else:
-        registry = modeling.ALL_ATTENTION_FUNCTIONS
-        orig = registry[impl]
-        registry[impl] = wrap(orig)
-        try:
-            yield
-        finally:
-            registry[impl] = orig
+    with attention_kv_hook(model, record):
+        yield
 
 
 # ----------------------------------------------------------------------------------------- collection
