@@ -42,7 +42,7 @@ from mixquant.model import layout  # noqa: E402
 from mixquant.quantize import reference  # noqa: E402
 from mixquant.quantize.reference import modelopt_placement_quant_cfg, modelopt_reference_export  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from transformers import LagunaConfig, LagunaForCausalLM  # noqa: E402
+from transformers import LagunaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(
@@ -64,22 +64,8 @@ def quiet():
     return stack
 
 
-def toy_model() -> LagunaForCausalLM:
-    config = LagunaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        tie_word_embeddings=False,
-    )
+def toy_model(make_config) -> LagunaForCausalLM:
+    config = make_config(vocab_size=64, num_hidden_layers=NUM_LAYERS, num_experts=NUM_EXPERTS)
     torch.manual_seed(0)
     model = LagunaForCausalLM(config)
     for p in model.parameters():
@@ -93,9 +79,9 @@ def calibration_ids():
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(tmp_path_factory, small_laguna_config):
     out = tmp_path_factory.mktemp("src")
-    layout.save_upstream_checkpoint(toy_model(), out, num_shards=1)
+    layout.save_upstream_checkpoint(toy_model(small_laguna_config), out, num_shards=1)
     return out
 
 

@@ -35,7 +35,7 @@ from mixquant.quantize.reference import modelopt_reference_export  # noqa: E402
 from mixquant.search.score import layer_quant_from_tensors, quantized_experts  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import LagunaConfig, LagunaForCausalLM  # noqa: E402
+from transformers import LagunaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)
 cpu_only = pytest.mark.skipif(
@@ -57,22 +57,14 @@ def quiet():
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
+def source(tmp_path_factory, small_laguna_config) -> Path:
     """Upstream-layout bf16 checkpoint of a random 5-layer Laguna (dense layer 0 + 4 MoE layers)."""
-    config = LagunaConfig(
+    config = small_laguna_config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
-        intermediate_size=64,
         num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
         num_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
         moe_intermediate_size=MOE_INTER,
-        shared_expert_intermediate_size=16,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = LagunaForCausalLM(config)

@@ -7,25 +7,11 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def small_laguna(tmp_path_factory):
+def small_laguna(tmp_path_factory, small_laguna_config):
     from mixquant.model import layout
-    from transformers import LagunaConfig, LagunaForCausalLM
+    from transformers import LagunaForCausalLM
 
-    config = LagunaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=5,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        num_experts=16,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        tie_word_embeddings=False,
-    )
+    config = small_laguna_config()
     torch.manual_seed(0)
     model = LagunaForCausalLM(config)
     gen = torch.Generator().manual_seed(1)

@@ -21,7 +21,7 @@ from mixquant.search.reference import (  # noqa: E402
     experts_module_name,
     modelopt_kl_div_scores,
 )
-from transformers import LagunaConfig, LagunaForCausalLM  # noqa: E402
+from transformers import LagunaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(
@@ -38,23 +38,9 @@ UNROUTED = (2, 5)  # (layer, expert) no token is routed to (router bias -100)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, small_laguna_config):
     """Upstream-layout bf16 checkpoint of a random 5-layer Laguna (dense layer 0 + 4 MoE layers)."""
-    config = LagunaConfig(
-        vocab_size=128,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=5,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
-        moe_intermediate_size=MOE_INTER,
-        shared_expert_intermediate_size=16,
-        tie_word_embeddings=False,
-    )
+    config = small_laguna_config(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, moe_intermediate_size=MOE_INTER)
     torch.manual_seed(0)
     model = LagunaForCausalLM(config)
     gen = torch.Generator().manual_seed(1)

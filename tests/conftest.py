@@ -1,0 +1,36 @@
+"""Shared test helpers: the geometry of the small random Laguna most unit tests build."""
+
+from __future__ import annotations
+
+import pytest
+
+# Dense layer 0 + 4 MoE layers of 16 experts (top-2), every matrix input a multiple of 16 (NVFP4 blocks).
+SMALL_LAGUNA = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="session")
+def small_laguna_config():
+    """Factory: ``LagunaConfig`` of the small random Laguna, with keyword overrides."""
+    from transformers import LagunaConfig
+
+    def make(**overrides):
+        unknown = sorted(set(overrides) - set(SMALL_LAGUNA))
+        if unknown:
+            raise TypeError(f"not a small-Laguna setting: {unknown}")
+        return LagunaConfig(**{**SMALL_LAGUNA, **overrides})
+
+    return make
