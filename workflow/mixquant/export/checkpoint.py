@@ -509,14 +509,9 @@ def kv_scale_name(layer: int, kind: str) -> str:
 
 
 def _load_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ExportInputError(f"{path}: {what} not found") from exc
-    except OSError as exc:
-        raise ExportInputError(f"{path}: cannot read {what} ({exc.strerror or exc})") from exc
-    except ValueError as exc:
-        raise ExportInputError(f"{path}: corrupt {what} ({exc})") from exc
+    from mixquant.jsonio import read_json
+
+    return read_json(path, what, error=ExportInputError)
 
 
 def _source_records(model_dir: Path) -> dict[str, TensorRecord]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -103,12 +102,9 @@ def _read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CheckpointInspectionError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except ValueError as exc:
-        raise CheckpointInspectionError(f"{path}: corrupt JSON ({exc})") from exc
+    from mixquant.jsonio import read_json
+
+    return read_json(path, "JSON", error=CheckpointInspectionError)
 
 
 def _read_json_object(path: Path) -> dict[str, Any] | None:

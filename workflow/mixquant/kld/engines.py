@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import re
 from collections import Counter
@@ -178,12 +177,9 @@ def _prompt_ids(token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 
 def _read_json(path: Path, who: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise EngineError(f"{who}: cannot read {path} ({exc.strerror or exc})") from exc
-    except ValueError as exc:
-        raise EngineError(f"{who}: corrupt JSON in {path} ({exc})") from exc
+    from mixquant.jsonio import read_json
+
+    return read_json(path, "JSON", error=EngineError, who=who)
 
 
 def _weight_map(model_dir: Path, who: str) -> dict[str, str]:

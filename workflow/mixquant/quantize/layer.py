@@ -190,12 +190,9 @@ def check_checkpoint_shards(model_dir: Path) -> int:
 
 
 def _load_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise QuantizeInputError(f"{path}: cannot read {what} ({exc.strerror or exc})") from exc
-    except ValueError as exc:
-        raise QuantizeInputError(f"{path}: corrupt {what} ({exc})") from exc
+    from mixquant.jsonio import read_json
+
+    return read_json(path, what, error=QuantizeInputError)
 
 
 class _LayerSource:
