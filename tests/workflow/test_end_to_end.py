@@ -75,7 +75,7 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
         "score_sensitivity": 4,
         "solve_placement": 1,
     }
-    wd.snakemake("--configfile", changed, wd.paths(changed)["calibration"]["path"])
+    wd.snakemake(wd.paths(changed)["calibration"]["path"], "--configfile", changed)
     after = wd.paths(changed)
     assert after["model"] == before["model"] and after["prompt"] == before["prompt"]
     new_dir = _dir(wd, after, "calibration")
@@ -123,7 +123,7 @@ def test_prompt_pin_mismatch_stops_with_both_hashes_and_leaves_nothing(built_wor
 
     config["prompt"]["sha256"] = actual
     pinned = wd.write_config("config/right-pin.yaml", config)
-    wd.snakemake("--configfile", pinned)
+    wd.snakemake(wd.paths(pinned)["prompt"]["path"], "--configfile", pinned)
     summary = read_manifest(wd.root / wd.paths(pinned)["prompt"]["path"])["summary"]
     assert summary["pin_status"] == "match" and summary["pinned_sha256"] == actual
 
@@ -143,7 +143,7 @@ def test_local_model_directory_is_pinned_by_content(built_workdir):
     }
     assert plan["collect_activation_stats"] == 1 and plan["quantize_layer"] == 12  # + uniform NVFP4
     paths = wd.paths(local)
-    wd.snakemake("--configfile", local, *(paths[n]["path"] for n in ("model", "calibration")))
+    wd.snakemake(*(paths[n]["path"] for n in ("model", "calibration")), "--configfile", local)
     paths = wd.paths(local)
     fetched = read_manifest(_dir(wd, paths, "model"))
     shards = {
@@ -208,7 +208,7 @@ def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
     kld = {"run_kld": 10, "gate_kld": 2, "kld_report": 1, "check_kld_gates": 1}  # this checkpoint's KLD
     expected = {**({"quantize_layer": len(missing)} if missing else {}), "export_checkpoint": 1, **kld}
     assert wd.plan(moved) == expected
-    wd.snakemake("--configfile", moved, paths["checkpoint"]["path"])
+    wd.snakemake(paths["checkpoint"]["path"], "--configfile", moved)
     config["placement"]["explicit"]["layers"][-1] = {"layers": "8", "format": "fp8"}
     assert wd.plan(wd.write_config("config/layer8-fp8.yaml", config)) == {"export_checkpoint": 1, **kld}
     assert wd.plan() == {}  # the searched placement's outputs are all still there

@@ -30,7 +30,7 @@ def explicit(built_workdir):
     config = built_workdir.config()
     config["placement"]["source"] = "explicit"
     name = built_workdir.write_config("config/explicit.yaml", config)
-    built_workdir.snakemake("--configfile", name, built_workdir.paths(name)["checkpoint"]["path"])
+    built_workdir.snakemake(built_workdir.paths(name)["checkpoint"]["path"], "--configfile", name)
     return built_workdir.paths(name)
 
 

@@ -71,7 +71,9 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _logits(model_dir: Path, settings: dict[str, Any], kv: str, ids) -> tuple[Any, dict[str, Any], float]:
     from mixquant.kld.engines import open_engine
+    from mixquant.quantize.layer import check_checkpoint_shards
 
+    check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
     started = time.perf_counter()
     engine = open_engine(model_dir, _engine_settings(settings, kv, settings.get("threads")))
     try:

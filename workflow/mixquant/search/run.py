@@ -65,7 +65,11 @@ def run_score_sensitivity(
     if threads := settings.get("threads"):
         torch.set_num_threads(int(threads))
     started = time.perf_counter()
-    model_ = load_search_model(resolve_model_dir(model))
+    from mixquant.quantize.layer import check_checkpoint_shards
+
+    model_dir = resolve_model_dir(model)
+    check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
+    model_ = load_search_model(model_dir)
     if weights == "rebuild":
         quants = {layer: load_file(str(given[layer] / LAYER_FILE)) for layer in wanted}
     else:
