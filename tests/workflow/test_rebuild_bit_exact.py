@@ -24,6 +24,15 @@ def _read_all(paths) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _placed(wd, paths) -> tuple[dict[int, str], dict[str, dict]]:
+    """The explicit checkpoint's placement (from its key preimage) and its layer x format artifacts (the
+    paths also list the uniform-NVFP4 KLD candidate's layers)."""
+    config = read_manifest(wd.root / paths["checkpoint"]["path"])["preimage"]["config"]
+    placement = {int(layer): fmt for layer, fmt in config["placement"].items()}
+    layers = {f"layer/{layer}/{fmt}": paths[f"layer/{layer}/{fmt}"] for layer, fmt in placement.items()}
+    return placement, layers
+
+
 @pytest.fixture(scope="module")
 def explicit(built_workdir):
     """The default config with its explicit placement mixing all three formats, run to the export."""
@@ -37,8 +46,7 @@ def explicit(built_workdir):
 def test_quantize_layer_equals_modelopt_export(built_workdir, explicit, tmp_path):
     wd = built_workdir
     paths = explicit
-    layers = {name: row for name, row in paths.items() if name.startswith("layer/")}
-    placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
+    placement, layers = _placed(wd, paths)
     assert sorted(set(placement.values())) == ["bf16", "fp8", "nvfp4_w4a16"]
 
     model_dir = resolve_model_dir(wd.root / paths["model"]["path"])
@@ -91,8 +99,7 @@ def test_export_equals_modelopt_export_and_audit_agrees(built_workdir, explicit,
     audit agrees with `mixquant predict` and with an independent count from the safetensors headers."""
     wd = built_workdir
     paths = explicit
-    layers = {name for name in paths if name.startswith("layer/")}
-    placement = {int(name.split("/")[1]): name.split("/")[2] for name in layers}
+    placement, _ = _placed(wd, paths)
     model_dir = resolve_model_dir(wd.root / paths["model"]["path"])
     ids = load_token_ids(wd.root / paths["calibration"]["path"] / "calibration.safetensors")
     config = wd.config()

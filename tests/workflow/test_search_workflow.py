@@ -136,7 +136,7 @@ def _rules_run(result) -> dict[str, int]:
     text = result.stdout + result.stderr
     counts: dict[str, int] = {}
     for line in text.splitlines():
-        for prefix in ("rule ", "checkpoint "):
+        for prefix in ("rule ", "checkpoint ", "localrule ", "localcheckpoint "):
             if line.startswith(prefix) and line.rstrip().endswith(":"):
                 name = line[len(prefix) :].rstrip(":").strip()
                 counts[name] = counts.get(name, 0) + 1
@@ -176,7 +176,7 @@ def test_adding_a_candidate_format_runs_only_its_scoring(built_workdir, tmp_path
     wd.snakemake(wd.paths(narrow)["placement"]["path"], "--configfile", narrow)
     # Leave results/ as a {NVFP4, BF16}-only history would: no FP8 layer results, scores or placement.
     paths = wd.paths()
-    fp8 = [name for name in paths if name.endswith("/fp8") or name.startswith("scores/fp8")] + ["placement"]
+    fp8 = [n for n in paths if n.startswith(("layer/", "scores/")) and "/fp8" in n] + ["placement"]
     parked = tmp_path / "parked"
     scores = {}
     for name in fp8:
