@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= 2
 
-.PHONY: install run test lint
+.PHONY: install run test lint slurm
 
 $(BIN)/mixquant: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,9 @@ lint: install
 	$(BIN)/snakefmt --check .
 	$(BIN)/snakemake --lint --cores 1
 
-test: lint
+# Debian's SLURM and munge, for the local-cluster test (tools/slurm-local; needs root or sudo).
+slurm:
+	bash tools/slurm-local/install.sh
+
+test: lint slurm
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest

@@ -6,7 +6,7 @@ from pathlib import Path
 from mixquant.cli import diff_values, main
 
 REPO = Path(__file__).resolve().parents[1]
-LAGUNA = str(REPO / "tests/data/laguna-s-2.1/config.json")
+LAGUNA = str(REPO / "data/models/laguna-s-2.1/config.json")
 
 
 def test_predict_reference_release(capsys):

@@ -25,7 +25,7 @@ from mixquant.export.predict import (
 )
 from mixquant.model.layout import upstream_tensor_names
 
-LAGUNA_S_CONFIG = Path(__file__).resolve().parents[1] / "data" / "laguna-s-2.1" / "config.json"
+LAGUNA_S_CONFIG = Path(__file__).resolve().parents[2] / "data" / "models" / "laguna-s-2.1" / "config.json"
 RELEASE_COUNTS = {NVFP4: 39, FP8: 3, BF16: 5}
 
 

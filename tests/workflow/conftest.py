@@ -47,7 +47,7 @@ class Workdir:
 
     def plan(self, configfile: str | None = None) -> dict:
         args = ["plan", "--json"] + (["--configfile", configfile] if configfile else [])
-        return {rule: row["jobs"] for rule, row in json.loads(self.mixquant(*args).stdout).items()}
+        return {rule: row["jobs"] for rule, row in json.loads(self.mixquant(*args).stdout)["rules"].items()}
 
     def paths(self, configfile: str = "config/config.yaml") -> dict:
         return json.loads(self.mixquant("paths", "--json", "--configfile", configfile).stdout)

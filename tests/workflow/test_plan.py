@@ -1,5 +1,8 @@
 """Planning without running: both configs plan, and bad configs fail with one line naming the key."""
 
+import json
+import re
+
 import pytest
 
 # Up to the solve_placement checkpoint: the rebuild of the placement and the export are planned once
@@ -109,3 +112,79 @@ def test_unpinned_real_model_is_refused_at_config_time_only_for_remote_code(work
         result.returncode == 2
         and "trust_remote_code needs a hub source with a pinned revision" in result.stderr
     )
+
+
+LAGUNA_PLAN = {
+    "sample_calibration": 1,
+    "pin_prompt": 1,
+    "collect_activation_stats": 1,
+    "quantize_layer": 94,
+    "score_sensitivity": 24,
+    "solve_placement": 1,
+    "fetch_model": 2,
+    "reference_logits": 1,
+    "run_kld": 10,
+    "gate_kld": 2,
+}
+
+
+def test_laguna_dry_run_under_the_slurm_profile(workdir):
+    # no SLURM and no weights here; without conda the sdm is switched off (README)
+    result = workdir.snakemake(
+        "-n",
+        "--profile",
+        "profiles/slurm-blackwell",
+        "--sdm",
+        "env-modules",
+        "--configfile",
+        "config/laguna-s-2.1.yaml",
+    )
+    counts = {}
+    for rule in re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):$", result.stdout, re.M):
+        counts[rule] = counts.get(rule, 0) + 1
+    assert counts == {**LAGUNA_PLAN, "all": 1}
+
+
+def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(workdir):
+    out = workdir.mixquant(
+        "plan", "--json", "--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml"
+    )
+    plan = json.loads(out.stdout)
+    assert {rule: row["jobs"] for rule, row in plan["rules"].items()} == LAGUNA_PLAN
+    jobs = plan["jobs"]
+    assert len(jobs) == sum(LAGUNA_PLAN.values())
+    for job in jobs:
+        assert job["reason"].startswith("Missing output files"), job
+        resources = job["resources"]
+        assert int(resources["mem_mb"]) >= 2000 and int(resources["runtime"]) >= 10, job
+        gpu = job["rule"] in ("reference_logits", "run_kld")
+        assert resources.get("gpu") == ("4" if gpu else None), job
+        assert resources["slurm_partition"] == ("gpu" if gpu else "cpu"), job
+    # the geometry decides the requests: the BF16 model is ~236 GB, a layer job a small part of it
+    by_rule = {job["rule"]: job["resources"] for job in jobs}
+    assert int(by_rule["collect_activation_stats"]["mem_mb"]) > 236_000
+    assert int(by_rule["quantize_layer"]["mem_mb"]) < int(by_rule["collect_activation_stats"]["mem_mb"]) / 10
+
+    rows = {(row["stage"], row["after_solve"]): row for row in plan["estimates"]}
+    for rule, count in LAGUNA_PLAN.items():
+        assert rows[(rule, False)]["jobs"] == count, rule
+    # after the solve, with placement.explicit (39/3/5) standing in: the 5 BF16 layers, the export and
+    # the searched candidate's 2 x 5 runs, its 2 gates, the report and the verdict
+    later = {stage: row["jobs"] for (stage, after), row in rows.items() if after}
+    assert later == {
+        "quantize_layer": 5,
+        "export_checkpoint": 1,
+        "run_kld": 10,
+        "gate_kld": 2,
+        "kld_report": 1,
+        "check_kld_gates": 1,
+    }
+    for (stage, _), row in rows.items():
+        assert (row["gpu_hours"] > 0) == (stage in ("reference_logits", "run_kld")), stage
+        assert row["peak_host_bytes"] > 0 and row["bytes_read"] + row["bytes_written"] > 0, stage
+    assert rows[("fetch_model", False)]["bytes_written"] > 236e9  # BF16 model + the baseline checkpoint
+    assert 0.9 * 92.4e9 < rows[("export_checkpoint", True)]["bytes_written"] < 1.1 * 92.5e9
+    text = workdir.mixquant(
+        "plan", "--jobs", "--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml"
+    ).stdout
+    assert "| export_checkpoint (after solve) | 1 |" in text and "gpu=4" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,8 +134,17 @@ def parse_dry_run(text: str) -> dict[str, dict[str, Any]]:
     return rules
 
 
-def dry_run(configfile: str | None, extra: list[str]) -> str:
-    command = [sys.executable, "-m", "snakemake", "-n", "--cores", "1"]
+def dry_run(configfile: str | None, extra: list[str], profile: str | None = None) -> str:
+    command = [sys.executable, "-m", "snakemake", "-n"]
+    command += ["--profile", profile] if profile else ["--cores", "1"]
+    if profile and _profile_uses_conda(profile) and shutil.which("conda") is None:
+        # Snakemake hashes conda environments even in a dry run and needs conda for that; without
+        # conda on the planning machine, plan without software deployment (the jobs are the same).
+        print(
+            "note: conda is not installed here: planning without the profile's conda environments",
+            file=sys.stderr,
+        )
+        command += ["--software-deployment-method", "env-modules"]
     if configfile:
         command += ["--configfile", configfile]
     result = subprocess.run(command + extra, capture_output=True, text=True)
@@ -144,15 +154,68 @@ def dry_run(configfile: str | None, extra: list[str]) -> str:
     return result.stdout + result.stderr
 
 
+def _profile_uses_conda(profile: str) -> bool:
+    import yaml
+
+    path = Path(profile)
+    if not path.exists() and (Path("profiles") / profile).exists():
+        path = Path("profiles") / profile
+    path = path / "config.yaml" if path.is_dir() else path
+    data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    method = (data or {}).get("software-deployment-method") or (data or {}).get("sdm") or []
+    return "conda" in ([method] if isinstance(method, str) else method)
+
+
+def plan_estimates(cfg: MixquantConfig, jobs: list) -> list:
+    """Cost-model estimates of the planned jobs and of those that follow the placement's solve."""
+    from mixquant.cluster import after_solve_artifacts, estimate_plan, planning_geometry
+    from mixquant.keys.artifacts import placement_from_config, resolve_artifacts
+
+    geometry = planning_geometry(cfg)
+    if geometry is None:
+        return []
+    cache = Path(".snakemake") / "mixquant-hashes"
+    planned = resolve_artifacts(cfg, hash_cache_dir=cache)
+    later = []
+    if "checkpoint" not in planned and cfg.placement.explicit is not None:
+        # Stand-in for the placement the solve will choose: placement.explicit.
+        stand_in = resolve_artifacts(cfg, hash_cache_dir=cache, placement=placement_from_config(cfg))
+        later = after_solve_artifacts(cfg, planned, stand_in)
+    return estimate_plan(cfg, geometry, jobs, planned, later)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from mixquant.cluster import estimate_table, parse_dry_run_jobs
+
     configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
-    plan = parse_dry_run(dry_run(configfile, args.snakemake_args))
+    text = dry_run(configfile, args.snakemake_args, args.profile)
+    plan = parse_dry_run(text)
+    jobs = parse_dry_run_jobs(text)
+    estimates = plan_estimates(_load(args), jobs) if plan else []
     if args.json:
-        print(json.dumps(plan, indent=2))
+        print(
+            json.dumps(
+                {
+                    "rules": plan,
+                    "jobs": [asdict(job) for job in jobs],
+                    "estimates": [asdict(row) for row in estimates],
+                },
+                indent=2,
+            )
+        )
         return 0
     if not plan:
         print("nothing to do: every output is up to date")
         return 0
+    if args.jobs:
+        for job in jobs:
+            resources = ", ".join(
+                f"{k}={v}" for k, v in job.resources.items() if k not in ("tmpdir", "mem", "mem_mib")
+            )
+            print(f"{job.rule:24} {job.key or '-':.12}  {resources}  | {job.reason}")
+        print()
     print(f"{'rule':24} {'jobs':>4}  reasons")
     for rule, row in plan.items():
         reasons = ", ".join(f"{reason} ({count})" for reason, count in row["reasons"].items())
@@ -161,6 +224,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "solve_placement" in plan:
         print("then: quantize_layer for the placed layers not built yet, and export_checkpoint (planned once")
         print("      solve_placement has chosen the placement)")
+    if estimates:
+        print()
+        print("Estimates (cost model: README, 'Cluster cost model'; 'after solve' rows assume")
+        print("placement.explicit as a stand-in for the placement the search will choose):")
+        print(estimate_table(estimates))
     return 0
 
 
@@ -277,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = with_config(sub.add_parser("plan", help="summarize `snakemake -n`: jobs per rule and reasons"))
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (rules, jobs, estimates)")
+    p.add_argument("--jobs", action="store_true", help="list every job with its resources and reason")
+    p.add_argument("--profile", help="plan as under this Snakemake profile (e.g. profiles/slurm-blackwell)")
     p.add_argument("snakemake_args", nargs="*", help="extra snakemake arguments (after --)")
     p.set_defaults(func=cmd_plan)
 

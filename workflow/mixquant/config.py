@@ -91,6 +91,11 @@ class ModelSection(Strict):
     trust_remote_code: bool = Field(
         default=False, description="Allow the model's own code; only honoured with a pinned hub revision."
     )
+    geometry: str | None = Field(
+        default=None,
+        description="The config.json of a hub/local model (a path relative to the working directory): "
+        "planning (resources and cost estimates) reads the geometry from it without the weights.",
+    )
     moe_layers: Annotated[str, Field(pattern=LAYER_RANGE_PATTERN)] | None = Field(
         default=None,
         description="MoE layer indices of a real model, e.g. '1-47' (planning needs them without weights); "

@@ -14,8 +14,8 @@ rule sample_calibration:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=artifact_request("calibration", "mem_mb"),
+        runtime=artifact_request("calibration", "runtime"),
     params:
         stage=stage_params("calibration"),
     script:

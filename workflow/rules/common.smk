@@ -3,6 +3,13 @@ import sys
 
 from snakemake.utils import validate
 
+from mixquant.cluster import (
+    clear_stale_lock,
+    job_request,
+    planning_geometry,
+    record_run_owner,
+    release_run_owner,
+)
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
 
@@ -25,6 +32,25 @@ validate(
 )
 
 HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
+
+# A run killed with SIGKILL leaves Snakemake's lock behind; the next run on this host removes it once
+# the process that held it is gone (keyed outputs are published whole, so nothing half-written stays).
+if workflow.is_main_process and (message := clear_stale_lock()):
+    print(message, file=sys.stderr)
+
+
+onstart:
+    record_run_owner()
+
+
+onsuccess:
+    release_run_owner()
+
+
+onerror:
+    release_run_owner()
+
+
 ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
 _PLACED = {}
 
@@ -89,3 +115,30 @@ def keyed_inputs(wildcards):
 def keyed_params(wildcards):
     art = keyed_artifact(wildcards)
     return {"settings": art.settings, "preimage": art.preimage}
+
+
+# Per-job SLURM requests (mem_mb, runtime in minutes) from the model geometry (mixquant.costs),
+# doubled on each retry; the profile adds partitions, GPUs and cores.
+GEOMETRY = planning_geometry(CFG)
+
+
+def artifact_request(name, resource):
+    def request(wildcards, attempt):
+        return job_request(CFG, GEOMETRY, ART[name], attempt)[resource]
+
+    return request
+
+
+def keyed_mem_mb(wildcards, attempt):
+    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["mem_mb"]
+
+
+def keyed_runtime(wildcards, attempt):
+    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["runtime"]
+
+
+def engine_env(wildcards):
+    """The KLD stages' software: vLLM's own stack (envs/serve.yaml) or the quantization stack."""
+    return (
+        "../../envs/serve.yaml" if CFG.kld.engine == "vllm" else "../../envs/quant.yaml"
+    )

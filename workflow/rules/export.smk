@@ -17,8 +17,8 @@ rule export_checkpoint:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=120,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:

@@ -14,11 +14,11 @@ rule reference_logits:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        engine_env
     threads: 2
     resources:
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:
@@ -37,11 +37,11 @@ rule run_kld:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        engine_env
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:
@@ -61,8 +61,8 @@ rule gate_kld:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=10,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:
@@ -82,8 +82,8 @@ rule kld_report:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=10,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:
@@ -103,8 +103,8 @@ rule check_kld_gates:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:

@@ -15,8 +15,8 @@ if CFG.model.source == "toy":
             "../../envs/quant.yaml"
         threads: CFG.model.toy.threads
         resources:
-            mem_mb=4000,
-            runtime=30,
+            mem_mb=artifact_request("model", "mem_mb"),
+            runtime=artifact_request("model", "runtime"),
         params:
             stage=stage_params("model"),
         script:
@@ -37,8 +37,8 @@ rule fetch_model:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=240,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:

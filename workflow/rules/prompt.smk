@@ -14,8 +14,8 @@ rule pin_prompt:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=20,
+        mem_mb=artifact_request("prompt", "mem_mb"),
+        runtime=artifact_request("prompt", "runtime"),
     params:
         stage=stage_params("prompt"),
     script:

@@ -16,8 +16,8 @@ rule collect_activation_stats:
         "../../envs/quant.yaml"
     threads: 2
     resources:
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=artifact_request("activations", "mem_mb"),
+        runtime=artifact_request("activations", "runtime"),
     params:
         stage=stage_params("activations"),
     script:
@@ -39,8 +39,8 @@ rule quantize_layer:
         "../../envs/quant.yaml"
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:

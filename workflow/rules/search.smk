@@ -17,8 +17,8 @@ rule score_sensitivity:
         "../../envs/quant.yaml"
     threads: 2
     resources:
-        mem_mb=4000,
-        runtime=120,
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
     params:
         stage=keyed_params,
     script:
@@ -45,8 +45,8 @@ if CFG.placement.source == "search":
             "../../envs/quant.yaml"
         threads: 1
         resources:
-            mem_mb=2000,
-            runtime=30,
+            mem_mb=artifact_request("placement", "mem_mb"),
+            runtime=artifact_request("placement", "runtime"),
         params:
             stage=stage_params("placement"),
         script:

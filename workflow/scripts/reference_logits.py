@@ -1,5 +1,11 @@
 """Rule reference_logits (mixquant.kld.run.run_reference_logits)."""
 
+import sys
+from pathlib import Path
+
+# envs/serve.yaml (vLLM) does not install mixquant: import it from the workflow directory.
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.kld.run import run_reference_logits
 from mixquant.rulelog import rule_logging
 

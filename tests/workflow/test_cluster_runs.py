@@ -1,0 +1,125 @@
+"""The cluster path for real: a slice of the default DAG through a local SLURM (sbatch, fake 4-GPU GRES)
+and a run killed with SIGKILL and resumed, both compared file by file with the plain local run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_TOOLS = REPO / "tools" / "slurm-local"
+
+
+def slice_targets(wd) -> dict[str, str]:
+    """One job of every kind of rule before the placement's solve, GPU-requesting ones included:
+    the toy model, calibration, prompt, activation statistics, the FP8 layers of the first score
+    chunk, that chunk's score job, the BF16 reference logits and one KLD run of the BF16 candidate."""
+    paths = wd.paths()
+    scores = sorted(name for name in paths if name.startswith("scores/fp8/"))[0]
+    first, last = map(int, scores.rsplit("/", 1)[1].split("-"))
+    names = [
+        "model",
+        "calibration",
+        "prompt",
+        "activations",
+        scores,
+        "reference_logits",
+        "kld/bf16/bfloat16/0",
+    ]
+    names += [f"layer/{layer}/fp8" for layer in range(first, last + 1)]
+    return {name: paths[name]["path"] for name in names}
+
+
+def file_hashes(root: Path, rel: str) -> dict:
+    manifest = json.loads((root / rel / "manifest.json").read_text())
+    return manifest["files"]
+
+
+def assert_same_results(wd, reference, targets: dict[str, str]) -> None:
+    for name, rel in targets.items():
+        assert (wd.root / rel / "manifest.json").is_file(), f"{name} was not built"
+        assert file_hashes(wd.root, rel) == file_hashes(reference.root, rel), (
+            f"{name} differs from the local run"
+        )
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A single-node SLURM with 4 fake GPUs for this module; its daemons are stopped by PID after."""
+    subprocess.run(["bash", str(SLURM_TOOLS / "install.sh")], check=True)
+    state = tmp_path_factory.mktemp("slurm")
+    subprocess.run(["bash", str(SLURM_TOOLS / "start.sh"), str(state)], check=True)
+    try:
+        yield state
+    finally:
+        subprocess.run(["bash", str(SLURM_TOOLS / "stop.sh"), str(state)], check=False)
+
+
+def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_workdir, workdir):
+    wd = workdir
+    targets = slice_targets(wd)
+    assert targets == slice_targets(built_workdir)  # same config, same keys
+    started = time.monotonic()
+    result = wd.snakemake("--profile", "profiles/slurm-local", *targets.values())
+    seconds = time.monotonic() - started
+    log = result.stdout + result.stderr
+    submitted = re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", log)
+    kinds = {"build_toy_model", "sample_calibration", "pin_prompt", "collect_activation_stats"}
+    kinds |= {"quantize_layer", "score_sensitivity", "reference_logits", "run_kld"}
+    ran = set(re.findall(r"^rule (\w+):$", log, re.M))
+    assert kinds <= ran, ran
+    # every job went through sbatch, and SLURM ran it
+    assert len(submitted) == len(re.findall(r"^rule \w+:$", log, re.M)), log[-3000:]
+    job_ids = {int(slurm_id) for _, slurm_id in submitted}
+    slurm_logs = list((wd.root / ".snakemake" / "slurm_logs").rglob("*.log"))
+    assert {int(p.stem) for p in slurm_logs} >= job_ids or len(slurm_logs) >= len(job_ids)
+    # the GPU rules asked for 4 GPUs and got them (fake GRES): their jobs saw CUDA_VISIBLE_DEVICES
+    for rule in ("reference_logits", "run_kld"):
+        logs = list((wd.root / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
+        assert logs, f"no SLURM log for {rule}"
+    assert_same_results(wd, built_workdir, targets)
+    print(f"SLURM slice: {len(job_ids)} sbatch jobs in {seconds:.0f} s")
+
+
+def test_killed_run_resumes_to_the_same_results(built_workdir, workdir):
+    wd = workdir
+    targets = slice_targets(wd)
+    command = [sys.executable, "-m", "snakemake", "--cores", "2", *targets.values()]
+    proc = subprocess.Popen(
+        command, cwd=wd.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    incomplete = wd.root / ".snakemake" / "incomplete"
+    model = wd.root / targets["model"] / "manifest.json"
+    deadline = time.monotonic() + 900
+    try:
+        # kill once the model is built and later jobs are running (Snakemake marks them incomplete)
+        while not (model.is_file() and incomplete.is_dir() and any(incomplete.iterdir())):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no job was running after 15 minutes"
+            time.sleep(0.2)
+        running = sorted(p.name for p in incomplete.iterdir())
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert running
+    assert any((wd.root / ".snakemake" / "locks").iterdir()), "the killed run left no lock"
+    unfinished = [name for name, rel in targets.items() if not (wd.root / rel / "manifest.json").is_file()]
+    assert unfinished, "everything was built before the kill"
+    # rerun the same command: the stale lock is cleared, the incomplete jobs rerun, the rest is kept
+    result = wd.snakemake(*targets.values())
+    assert "removed the lock of a killed run" in result.stderr
+    ran = re.findall(r"^(?:local)?rule (\w+):$", result.stdout + result.stderr, re.M)
+    assert "build_toy_model" not in ran
+    assert_same_results(wd, built_workdir, targets)

@@ -1,0 +1,276 @@
+"""Cluster glue: per-job resource requests, the dry-run plan with cost estimates, and resuming a killed run.
+
+The numbers come from :mod:`mixquant.costs` (the cost model, from the model geometry alone); this module
+maps workflow jobs (artifacts) onto it and reads ``snakemake -n``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixquant.config import MixquantConfig
+from mixquant.costs import Geometry, StageCost, model_geometry, rule_resources, stage_cost
+from mixquant.keys.artifacts import Artifact
+
+# Stages that serve the model on an inference engine: with vLLM they get tensor_parallel_size GPUs.
+ENGINE_STAGES = ("reference_logits", "run_kld")
+KEY_IN_PATH = re.compile(r"/([0-9a-f]{64})(?:/|$)")
+
+
+def engine_gpus(cfg: MixquantConfig, stage: str) -> int:
+    """GPUs a job of ``stage`` uses: the vLLM engine's tensor-parallel size for the KLD stages, else 0."""
+    if stage in ENGINE_STAGES and cfg.kld.engine == "vllm":
+        return cfg.kld.tensor_parallel_size
+    return 0
+
+
+def job_shape(art: Artifact) -> dict[str, Any]:
+    """The cost-model arguments of one job: its format and, for a score job, its number of layers."""
+    settings = art.settings or {}
+    layers = settings.get("layers")
+    return {"fmt": settings.get("format"), "layers": len(layers) if isinstance(layers, list) else 1}
+
+
+def planning_geometry(cfg: MixquantConfig, root: Path = Path(".")) -> Geometry | None:
+    """The geometry for resource requests, or None where a real model names no config.json."""
+    if cfg.model.source != "toy" and cfg.model.geometry is None:
+        return None
+    return model_geometry(cfg, root)
+
+
+# Requests for a job whose model has no geometry on file (a hub model without model.geometry).
+FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60}
+
+
+def job_request(cfg: MixquantConfig, geometry: Geometry | None, art: Artifact, attempt: int = 1) -> dict:
+    """SLURM request (mem_mb, runtime in minutes) of one job; doubled per retry (attempt 2 -> x2)."""
+    if geometry is None:
+        base = dict(FALLBACK_REQUEST)
+    else:
+        base = rule_resources(cfg, geometry, art.stage, gpus=engine_gpus(cfg, art.stage), **job_shape(art))
+    return {name: int(base[name]) * max(1, attempt) for name in ("mem_mb", "runtime")}
+
+
+# ------------------------------------------------------------------------------------------ dry run
+
+
+@dataclass
+class PlannedJob:
+    rule: str
+    outputs: list[str] = field(default_factory=list)
+    reason: str = ""
+    resources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str | None:
+        for output in self.outputs:
+            if match := KEY_IN_PATH.search(output.rstrip("/") + "/"):
+                return match.group(1)
+        return None
+
+
+_JOB = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
+_FIELD = re.compile(r"^\s+(output|reason|resources): (.*)$")
+
+
+def parse_dry_run_jobs(text: str) -> list[PlannedJob]:
+    """Every job of ``snakemake -n`` output (rule, outputs, reason, resources), in printed order."""
+    jobs: list[PlannedJob] = []
+    for line in text.splitlines():
+        if not line[:1].isspace() and (match := _JOB.match(line.strip())):
+            jobs.append(PlannedJob(match.group(1)))
+        elif jobs and (match := _FIELD.match(line)):
+            name, value = match.groups()
+            if name == "output":
+                jobs[-1].outputs = [part.strip() for part in value.split(",")]
+            elif name == "reason":
+                jobs[-1].reason = value
+            else:
+                jobs[-1].resources = dict(
+                    part.strip().split("=", 1) for part in value.split(", ") if "=" in part
+                )
+    return [job for job in jobs if job.rule != "all"]
+
+
+# ---------------------------------------------------------------------------------------- estimates
+
+
+@dataclass
+class StageEstimate:
+    stage: str
+    jobs: int = 0
+    gpus_per_job: int = 0
+    gpu_hours: float = 0.0
+    cpu_hours: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    peak_host_bytes: int = 0
+    peak_gpu_bytes: int = 0
+    wall_s_per_job: float = 0.0
+    after_solve: bool = False
+
+    def add(self, cost: StageCost) -> None:
+        self.jobs += 1
+        self.gpus_per_job = max(self.gpus_per_job, cost.gpus)
+        self.gpu_hours += cost.gpu_hours
+        self.cpu_hours += cost.cpus * cost.runtime_s / 3600
+        self.bytes_read += cost.bytes_read
+        self.bytes_written += cost.bytes_written
+        self.peak_host_bytes = max(self.peak_host_bytes, cost.peak_host_bytes)
+        self.peak_gpu_bytes = max(self.peak_gpu_bytes, cost.peak_gpu_bytes)
+        self.wall_s_per_job = max(self.wall_s_per_job, cost.runtime_s)
+
+
+def _gpus_requested(job: PlannedJob | None, cfg: MixquantConfig, stage: str) -> int:
+    """GPUs the plan gives a job: the profile's request (``gpu``/``gpus`` resource) if any."""
+    if job is not None:
+        for name in ("gpu", "gpus"):
+            if str(job.resources.get(name, "")).isdigit():
+                return int(job.resources[name])
+    return engine_gpus(cfg, stage)
+
+
+def estimate_plan(
+    cfg: MixquantConfig,
+    geometry: Geometry,
+    jobs: Iterable[PlannedJob],
+    artifacts: Mapping[str, Artifact],
+    after_solve: Iterable[Artifact] = (),
+) -> list[StageEstimate]:
+    """Per-stage totals of the cost model over the planned jobs (and the jobs that follow the solve)."""
+    by_key = {art.key: art for art in artifacts.values()}
+    rows: dict[tuple[str, bool], StageEstimate] = {}
+    gpus_by_stage: dict[str, int] = {}
+
+    def add(art: Artifact, job: PlannedJob | None, later: bool) -> None:
+        gpus = (
+            _gpus_requested(job, cfg, art.stage)
+            if job
+            else gpus_by_stage.get(art.stage, engine_gpus(cfg, art.stage))
+        )
+        gpus_by_stage.setdefault(art.stage, gpus)
+        cost = stage_cost(cfg, geometry, art.stage, gpus=gpus, **job_shape(art))
+        rows.setdefault((art.stage, later), StageEstimate(art.stage, after_solve=later)).add(cost)
+
+    for job in jobs:
+        art = by_key.get(job.key or "") or next(
+            (a for a in artifacts.values() if str(a.path) in job.outputs), None
+        )
+        if art is not None:
+            add(art, job, False)
+    for art in after_solve:
+        add(art, None, True)
+    order: dict[str, int] = {}
+    for art in [*artifacts.values(), *after_solve]:  # pipeline order, as the paths list it
+        order.setdefault(art.stage, len(order))
+    return sorted(rows.values(), key=lambda row: (row.after_solve, order.get(row.stage, len(order))))
+
+
+def after_solve_artifacts(
+    cfg: MixquantConfig, planned: Mapping[str, Artifact], stand_in: Mapping[str, Artifact]
+) -> list[Artifact]:
+    """Jobs that only exist once the placement is known: in ``stand_in`` (the graph resolved with a stand-in
+    placement) but not in the graph planned up front, and not built yet."""
+    planned_keys = {art.key for art in planned.values()}
+    return [art for art in stand_in.values() if art.key not in planned_keys and not art.done]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def estimate_table(rows: list[StageEstimate]) -> str:
+    """Markdown table of the per-stage estimates with a total line."""
+    head = (
+        "| stage | jobs | GPUs/job | GPU-h | CPU core-h | read | written | peak host mem | peak GPU mem/GPU "
+        "| wall/job |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        stage = f"{r.stage} (after solve)" if r.after_solve else r.stage
+        lines.append(
+            f"| {stage} | {r.jobs} | {r.gpus_per_job} | {r.gpu_hours:.2f} | {r.cpu_hours:.2f} "
+            f"| {format_bytes(r.bytes_read)} | {format_bytes(r.bytes_written)} "
+            f"| {format_bytes(r.peak_host_bytes)} | {format_bytes(r.peak_gpu_bytes)} "
+            f"| {r.wall_s_per_job / 60:.1f} min |"
+        )
+    lines.append(
+        f"| total | {sum(r.jobs for r in rows)} | | {sum(r.gpu_hours for r in rows):.2f} "
+        f"| {sum(r.cpu_hours for r in rows):.2f} | {format_bytes(sum(r.bytes_read for r in rows))} "
+        f"| {format_bytes(sum(r.bytes_written for r in rows))} "
+        f"| {format_bytes(max((r.peak_host_bytes for r in rows), default=0))} "
+        f"| {format_bytes(max((r.peak_gpu_bytes for r in rows), default=0))} | |"
+    )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+OWNER_FILE = "mixquant-run.json"
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (guards against a recycled PID), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def record_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
+    """Note which process holds this working directory's Snakemake lock (called at workflow start)."""
+    pid = os.getpid()
+    owner = {"pid": pid, "host": socket.gethostname(), "start": _process_start(pid)}
+    path = Path(snakemake_dir) / OWNER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(owner))
+
+
+def release_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
+    """Forget this process as the lock holder (at the end of a run; a dry run holds no lock)."""
+    path = Path(snakemake_dir) / OWNER_FILE
+    try:
+        mine = json.loads(path.read_text()).get("pid") == os.getpid()
+    except (OSError, ValueError):
+        return
+    if mine:
+        path.unlink(missing_ok=True)
+
+
+def clear_stale_lock(snakemake_dir: str | Path = ".snakemake") -> str | None:
+    """Remove the lock a killed run left behind: its owner ran on this host and is gone.
+
+    Returns a one-line message when it removed one, None otherwise (no owner recorded, another host,
+    or the owner still running: then Snakemake reports the lock as usual).
+    """
+    base = Path(snakemake_dir)
+    path = base / OWNER_FILE
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if owner.get("host") != socket.gethostname():
+        return None
+    start = _process_start(int(owner["pid"]))
+    if start is not None and start == owner.get("start"):
+        return None
+    locks = base / "locks"
+    had_locks = locks.is_dir() and any(locks.iterdir())
+    shutil.rmtree(locks, ignore_errors=True)
+    path.unlink(missing_ok=True)
+    if not had_locks:
+        return None
+    return f"mixquant: removed the lock of a killed run (pid {owner['pid']} on {owner['host']} is gone)"

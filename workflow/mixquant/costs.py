@@ -1,0 +1,724 @@
+"""Cluster cost model: per-job resources of each workflow stage, from the model geometry alone.
+
+Every estimate follows what the stage's code does today (which files it reads and writes, what it holds
+in memory, on which device it computes); README "Cluster cost model" documents the formulas. Runtime is
+the no-overlap sum ``startup + bytes_read / read_bw + bytes_written / write_bw + download + compute``
+(an upper bound: the stages load, then compute, then publish). Every keyed output is re-read and hashed
+for its manifest (``publish_keyed_dir``), so a stage's output bytes are also read and hashed once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixquant.config import MixquantConfig, parse_layer_ranges
+from mixquant.export.predict import FORMATS, checkpoint_tensors, predict_structure, routed_projection_tensors
+
+__all__ = [
+    "B200",
+    "GPU_FORWARD_STAGES",
+    "STAGES",
+    "Geometry",
+    "Hardware",
+    "StageCost",
+    "cost_table_markdown",
+    "geometry_from_hf_config",
+    "model_geometry",
+    "placement_counts",
+    "rule_resources",
+    "stage_cost",
+    "toy_geometry",
+]
+
+STAGES = (
+    "fetch_model",
+    "build_toy_model",
+    "sample_calibration",
+    "pin_prompt",
+    "collect_activation_stats",
+    "quantize_layer",
+    "score_sensitivity",
+    "solve_placement",
+    "export_checkpoint",
+    "reference_logits",
+    "run_kld",
+    "gate_kld",
+    "kld_report",
+    "check_kld_gates",
+)
+# Stages whose code puts the forward on a GPU when the job has one. collect_activation_stats and
+# score_sensitivity load the model with no device argument (quantize/run.py, search/run.py), so they
+# compute on the CPU whatever the job requests; the hf engine uses one GPU (tensor_parallel_size 1).
+GPU_FORWARD_STAGES = frozenset({"reference_logits", "run_kld"})
+# torch threads per job: the rules' `threads:` (workflow/rules/*.smk)
+_STAGE_CPUS = {"collect_activation_stats": 2, "score_sensitivity": 2}
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The model shape the estimates need (a Laguna-style MoE decoder)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP (the non-MoE layers)
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    moe_layers: tuple[int, ...]
+    dtype_bytes: int = 2
+    heads_per_layer: tuple[int, ...] = ()  # empty: num_attention_heads on every layer
+    tie_word_embeddings: bool = False
+
+    def heads(self, layer: int) -> int:
+        return self.heads_per_layer[layer] if self.heads_per_layer else self.num_attention_heads
+
+    def attention_params(self, layer: int) -> int:
+        """q, k, v, o, per-head gate g_proj, q_norm, k_norm (LagunaAttention, no bias)."""
+        h, d, hidden = self.heads(layer), self.head_dim, self.hidden_size
+        kv = self.num_key_value_heads * d
+        return hidden * h * d * 2 + hidden * kv * 2 + hidden * h + 2 * d
+
+    @property
+    def routed_params_per_expert(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def routed_params_per_layer(self) -> int:
+        return self.num_experts * self.routed_params_per_expert
+
+    def mlp_params(self, layer: int) -> int:
+        """The layer's MLP without its routed experts (dense MLP, or router + bias + shared expert)."""
+        if layer in self.moe_layers:
+            return (
+                self.num_experts * (self.hidden_size + 1)
+                + 3 * self.hidden_size * self.shared_expert_intermediate_size
+            )
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer`` (routed experts included)."""
+        routed = self.routed_params_per_layer if layer in self.moe_layers else 0
+        return self.attention_params(layer) + self.mlp_params(layer) + routed + 2 * self.hidden_size
+
+    def layer_active_params(self, layer: int) -> int:
+        """Parameters one token multiplies in decoder layer ``layer`` (top-k routed experts only)."""
+        routed = self.num_experts_per_tok * self.routed_params_per_expert if layer in self.moe_layers else 0
+        return self.attention_params(layer) + self.mlp_params(layer) + routed
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        layers = sum(self.layer_params(layer) for layer in range(self.num_hidden_layers))
+        return embeddings + layers + self.hidden_size
+
+    @property
+    def routed_params(self) -> int:
+        return len(self.moe_layers) * self.routed_params_per_layer
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Total minus the routed experts a token does not use (embeddings included, as model.toy counts)."""
+        per_token_routed = len(self.moe_layers) * self.num_experts_per_tok * self.routed_params_per_expert
+        return self.total_params - self.routed_params + per_token_routed
+
+    @property
+    def bf16_bytes(self) -> int:
+        """Bytes of the checkpoint's tensors (every parameter in the model dtype)."""
+        return self.total_params * self.dtype_bytes
+
+    @property
+    def routed_bytes_per_layer(self) -> int:
+        return self.routed_params_per_layer * self.dtype_bytes
+
+    def attention_flops_per_token(self, layer: int, context: int) -> int:
+        """Scores and weighted sum: 2 GEMMs of ``heads * head_dim`` over ``context`` keys, 2 FLOPs each."""
+        return 4 * self.heads(layer) * self.head_dim * context
+
+    def forward_flops(self, tokens_per_sequence: int, sequences: int = 1, *, first_layer: int = 0) -> float:
+        """FLOPs of a forward from decoder layer ``first_layer`` through the lm_head.
+
+        ``2 x active matmul parameters x tokens`` (the embedding lookup is not a matmul) plus the causal
+        attention term at the mean context ``(T + 1) / 2`` (sliding windows ignored: an upper bound).
+        """
+        tokens = tokens_per_sequence * sequences
+        context = (tokens_per_sequence + 1) / 2
+        per_token = 2 * self.lm_head_params
+        for layer in range(first_layer, self.num_hidden_layers):
+            per_token += 2 * self.layer_active_params(layer) + self.attention_flops_per_token(layer, context)
+        return float(per_token) * tokens
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json-shaped dict (the keys export/predict.py reads)."""
+        layers = self.num_hidden_layers
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_attention_heads_per_layer": [self.heads(layer) for layer in range(layers)],
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "mlp_layer_types": ["sparse" if layer in self.moe_layers else "dense" for layer in range(layers)],
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": {2: "bfloat16", 4: "float32"}[self.dtype_bytes],
+            "gating": True,
+            "attention_bias": False,
+        }
+
+
+def geometry_from_hf_config(config: dict[str, Any], moe_layers: Any = None) -> Geometry:
+    """Geometry of a Laguna config.json dict; ``moe_layers`` (indices or '1-47') else its mlp_layer_types."""
+    layers = int(config["num_hidden_layers"])
+    if moe_layers is None:
+        types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+        moe_layers = [layer for layer, kind in enumerate(types) if kind == "sparse"]
+    elif isinstance(moe_layers, str):
+        moe_layers = parse_layer_ranges(moe_layers)
+    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return Geometry(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=int(config["num_attention_heads"]),
+        num_key_value_heads=int(config["num_key_value_heads"]),
+        head_dim=int(
+            config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"])
+        ),
+        intermediate_size=int(config["intermediate_size"]),
+        num_experts=int(config["num_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(config["shared_expert_intermediate_size"]),
+        moe_layers=tuple(int(layer) for layer in moe_layers),
+        dtype_bytes={"bfloat16": 2, "float16": 2, "float32": 4}[str(dtype)],
+        heads_per_layer=tuple(int(h) for h in config.get("num_attention_heads_per_layer") or ()),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def toy_geometry(cfg: MixquantConfig) -> Geometry:
+    """The embedded toy's geometry (model.toy.toy_laguna_config): vocabulary = tokenizer size rounded up
+    to 16, assuming the BPE trainer reaches its configured vocab_size."""
+    arch = cfg.model.toy.arch
+    layers, period = arch.num_hidden_layers, arch.full_attention_period
+    heads = tuple(
+        arch.num_attention_heads_full if layer % period == 0 else arch.num_attention_heads_sliding
+        for layer in range(layers)
+    )
+    return Geometry(
+        vocab_size=-(-cfg.model.toy.tokenizer.vocab_size // 16) * 16,
+        hidden_size=arch.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=arch.num_attention_heads_full,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size,
+        num_experts=arch.num_experts,
+        num_experts_per_tok=arch.num_experts_per_tok,
+        moe_intermediate_size=arch.moe_intermediate_size,
+        shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+        moe_layers=tuple(range(arch.num_dense_layers, layers)),
+        heads_per_layer=heads,
+    )
+
+
+def model_geometry(cfg: MixquantConfig, root: Path = Path(".")) -> Geometry:
+    """The configured model's geometry: the toy's settings, or the config.json that model.geometry names."""
+    if cfg.model.source == "toy":
+        return toy_geometry(cfg)
+    geometry = getattr(cfg.model, "geometry", None)
+    if geometry is None:
+        raise ValueError(
+            "model.geometry: planning a hub/local model needs its config.json (a path relative to the "
+            "workdir, e.g. data/models/laguna-s-2.1/config.json)"
+        )
+    path = Path(root) / geometry
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.geometry: cannot read {path} ({exc})") from None
+    return geometry_from_hf_config(config, cfg.model.moe_layers)
+
+
+# ------------------------------------------------------------------------------------------ hardware
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a job's node offers. Defaults: one HGX B200 node on a shared filesystem.
+
+    Measured on this 2-core development VM (Intel, bf16 AMX), torch 1 thread, with the real code
+    (README "Cluster cost model"): quantize_layer on a synthetic checkpoint layer of two
+    Laguna-shaped experts (gate/up [1024, 3072], down [3072, 1024], N(0, 0.02) bf16), elements/s including
+    the read, the per-expert audit and the dequantization; the forward rate of transformers'
+    LagunaForCausalLM.model (eager experts, sdpa) on a 2-layer Laguna-S-2.1-geometry model, B=8 x T=512,
+    counted as 2 x active decoder params x tokens; hashlib SHA-256 over 256 MiB. Two threads ran slower
+    than one on this VM (shared cores), so the per-core rates are the 1-thread ones, scaled linearly.
+    """
+
+    gpu_memory_bytes: int = 179 * GIB  # B200 (HGX): nvidia-smi reports 183,359 MiB = 179 GiB HBM3e
+    gpu_bf16_flops: float = 2.25e15  # B200 (HGX, 1000 W) dense BF16 tensor-core peak per GPU
+    gpu_mfu: float = 0.2  # assumption: eager (no CUDA graphs) prefill of one prompt
+    vllm_gpu_memory_utilization: float = 0.9  # vLLM's default; vllm_llm_kwargs does not set it
+    vllm_worker_host_bytes: int = 8 * GIB  # assumption: host RSS of one vLLM worker (torch, CUDA, NCCL)
+    storage_read_bytes_per_s: float = 2e9  # assumption: shared filesystem, per job
+    storage_write_bytes_per_s: float = 2e9  # assumption
+    hub_download_bytes_per_s: float = 5e8  # assumption: Hugging Face hub (Xet/CDN), per job
+    process_startup_s: float = 10.0  # python + torch + transformers import: measured 6.4 s here (warm)
+    vllm_startup_s: float = 180.0  # assumption: engine spawn, CUDA/NCCL init, profiling run (not loading)
+    process_base_bytes: int = 2 * GIB  # assumption: RSS of python + torch + transformers before any data
+    cpu_forward_flops_per_core: float = 2.4e11  # measured: 2.41e11 FLOP/s (Laguna layer forward, bf16)
+    cpu_quantize_elements_per_s_per_core: dict[str, float] = field(
+        default_factory=lambda: {
+            "nvfp4_w4a16:fp8_sweep": 3.79e6,  # measured
+            "nvfp4_w4a16:mse": 5.16e5,  # measured
+            "nvfp4_w4a16:max": 1.32e7,  # measured
+            "fp8:mse": 2.06e6,  # measured
+            "fp8:max": 4.32e7,  # measured
+            "bf16": 5.81e7,  # measured (read + audit only)
+        }
+    )
+    sha256_bytes_per_s: float = 1.19e9  # measured: hashlib, one core
+    hub_dataset_split_bytes: int = 2 * 10**9  # assumption: one hub dataset split (or local JSONL) as loaded
+    python_object_factor: float = 3.0  # assumption: a dataset column as Python lists / dicts vs its bytes
+    tokenize_tokens_per_s: float = 2e5  # assumption: apply_chat_template + fast tokenizer, one core
+    ilp_solve_s: float = 1.0  # assumption: one pulp CBC solve of ~50 groups (process spawn dominates)
+    plot_s: float = 2.0  # assumption: one matplotlib figure
+
+
+B200 = Hardware()
+
+
+# ----------------------------------------------------------------------------------------- estimates
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Resources of one job of a stage."""
+
+    stage: str
+    gpus: int
+    cpus: int
+    runtime_s: float
+    bytes_read: int
+    bytes_written: int
+    peak_host_bytes: int
+    peak_gpu_bytes: int  # per GPU, 0 on CPU jobs
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * self.runtime_s / 3600
+
+
+def placement_counts(cfg: MixquantConfig, geometry: Geometry) -> dict[str, int]:
+    """Routed formats per MoE layer the export will have: the explicit map; for a search, the expected
+    counts when given, else all BF16 (the largest checkpoint: an upper bound)."""
+    layers = list(geometry.moe_layers)
+    if cfg.placement.source == "explicit":
+        formats = dict.fromkeys(layers, cfg.placement.explicit.default_format)
+        for entry in cfg.placement.explicit.layers:
+            for layer in parse_layer_ranges(entry.layers):
+                formats[layer] = entry.format
+        return {fmt: sum(1 for f in formats.values() if f == fmt) for fmt in FORMATS}
+    if cfg.expected.placement_counts is not None:
+        return cfg.expected.placement_counts.model_dump()
+    return {"nvfp4_w4a16": 0, "fp8": 0, "bf16": len(layers)}
+
+
+def _layer_result_bytes(geometry: Geometry, fmt: str) -> int:
+    """Tensor bytes of one quantize_layer result (the exported tensors only: no dequantized copies)."""
+    shapes = {
+        "gate_proj": (geometry.moe_intermediate_size, geometry.hidden_size),
+        "up_proj": (geometry.moe_intermediate_size, geometry.hidden_size),
+        "down_proj": (geometry.hidden_size, geometry.moe_intermediate_size),
+    }
+    per_expert = sum(e.nbytes for n, k in shapes.values() for e in routed_projection_tensors("p", n, k, fmt))
+    return geometry.num_experts * per_expert
+
+
+# audit.json: one entry per routed weight (format, shapes, scale stats, errors), indent=2 JSON;
+# measured ~1,200 B per quantized weight
+_AUDIT_BYTES_PER_TENSOR = 1200
+_QUANTIZE_TEMP_BYTES = 256 * MIB  # per-expert temporaries: fp32 dequant, float64 audit diff, sweep chunks
+
+
+def _checkpoint_bytes(geometry: Geometry, counts: dict[str, int], kv_cache_quant: str | None) -> int:
+    return predict_structure(geometry.to_hf_config(), placement_counts=counts, kv_cache_quant=kv_cache_quant)[
+        "payload_bytes"
+    ]
+
+
+def _candidate_bytes(cfg: MixquantConfig, geometry: Geometry, name: str | None) -> tuple[int, str]:
+    """Checkpoint bytes of a KLD candidate and a note on where the number comes from."""
+    candidates = {c.name: c for c in cfg.kld.candidates}
+    candidate = candidates[name] if name is not None else cfg.kld.candidates[0]
+    kv = "FP8" if cfg.export.kv_cache_quant else None
+    moe = len(geometry.moe_layers)
+    if candidate.source == "bf16":
+        return geometry.bf16_bytes, f"candidate {candidate.name}: the BF16 model"
+    if candidate.source == "uniform":
+        return _checkpoint_bytes(geometry, {candidate.format: moe}, kv), f"candidate {candidate.name}"
+    if candidate.source in ("hub", "local"):
+        return (
+            _checkpoint_bytes(geometry, {"nvfp4_w4a16": moe}, None),
+            f"candidate {candidate.name}: external checkpoint sized as uniform NVFP4",
+        )
+    if candidate.source == "explicit":
+        explicit = cfg.model_copy(
+            update={
+                "placement": cfg.placement.model_copy(
+                    update={"source": "explicit", "explicit": candidate.explicit}
+                )
+            }
+        )
+        return _checkpoint_bytes(
+            geometry, placement_counts(explicit, geometry), kv
+        ), f"candidate {candidate.name}"
+    return _checkpoint_bytes(geometry, placement_counts(cfg, geometry), kv), f"candidate {candidate.name}"
+
+
+def _activation_stats_bytes(geometry: Geometry) -> int:
+    """activation_stats.safetensors (2 fp32 scalars + 2 fp32 and 1 int64 per expert, per MoE layer; k/v
+    amax per layer) and its JSON twin (~2x)."""
+    moe = len(geometry.moe_layers)
+    return 3 * (moe * (8 + geometry.num_experts * 16) + geometry.num_hidden_layers * 8)
+
+
+def _dataset_split_bytes(cfg: MixquantConfig, hardware: Hardware) -> int:
+    """Bytes of one loaded dataset split: a local JSONL's size when it is there (relative to the
+    working directory), else the assumed hub split size."""
+    if cfg.dataset.source == "local" and cfg.dataset.local is not None:
+        path = Path(cfg.dataset.local.path)
+        if path.is_file():
+            return path.stat().st_size
+    return hardware.hub_dataset_split_bytes
+
+
+def _batch_activation_bytes(geometry: Geometry, sequences: int, seq_len: int) -> int:
+    """Transient activations of one bf16 forward (no logits): residual copies, the widest MLP, and the
+    [B, heads, T, T] fp32 attention weights sdpa's math path materialises on CPU."""
+    tokens = sequences * seq_len
+    widest = max(geometry.intermediate_size, geometry.shared_expert_intermediate_size) * 3
+    heads = max(geometry.heads(layer) for layer in range(geometry.num_hidden_layers))
+    return tokens * (8 * geometry.hidden_size + widest) * 2 + sequences * heads * seq_len * seq_len * 4
+
+
+def _fits_note(stage: str, peak_gpu: int, hardware: Hardware) -> tuple[str, ...]:
+    if peak_gpu > hardware.gpu_memory_bytes:
+        need, have = peak_gpu / GIB, hardware.gpu_memory_bytes / GIB
+        return (f"{stage}: needs {need:.0f} GiB on one GPU, more than its {have:.0f} GiB",)
+    return ()
+
+
+def stage_cost(
+    cfg: MixquantConfig,
+    geometry: Geometry,
+    stage: str,
+    *,
+    gpus: int = 0,
+    fmt: str | None = None,
+    layers: int = 1,
+    candidate: str | None = None,
+    hardware: Hardware = B200,
+) -> StageCost:
+    """Resources of one job of ``stage`` (formulas: README "Cluster cost model").
+
+    ``gpus``: GPUs the job gets (0: a CPU job); ``fmt``: quantize_layer / score_sensitivity format;
+    ``layers``: MoE layers in a score_sensitivity job (its first MoE layers: the longest suffixes);
+    ``candidate``: run_kld's candidate name (default: the first).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    hw = hardware
+    cpus = _STAGE_CPUS.get(stage, cfg.model.toy.threads if stage == "build_toy_model" else 1)
+    notes: list[str] = []
+    read = written = download = scratch = 0  # scratch: bytes written outside the keyed output
+    hashed = 0  # bytes hashed besides the manifest (fetch_model's file identities, logits SHA-256)
+    compute_s = 0.0
+    host = hw.process_base_bytes
+    gpu_bytes = 0
+    startup = hw.process_startup_s
+    cpu_flops = hw.cpu_forward_flops_per_core * cpus
+    model_bytes = geometry.bf16_bytes
+    prompt_len = cfg.prompt.seq_len
+    logits_bytes = (prompt_len - 1) * geometry.vocab_size * 4
+    calib = cfg.calibration
+
+    if stage == "fetch_model":
+        if cfg.model.source == "hub":
+            download, written, hashed = model_bytes, model_bytes, model_bytes
+            read = model_bytes  # local_dir_identity hashes every downloaded file
+        else:
+            read = hashed = model_bytes  # fetch_local_model hashes the directory in place
+            notes.append("local: nothing copied, every file hashed")
+    elif stage == "build_toy_model":
+        toy = cfg.model.toy
+        tokens = toy.training.steps * toy.training.batch_size * toy.training.seq_len
+        evaluated = 2 * toy.training.eval_sequences * toy.training.seq_len
+        compute_s = (
+            3 * geometry.forward_flops(toy.training.seq_len, 1) * tokens / toy.training.seq_len
+            + geometry.forward_flops(toy.training.seq_len, 1) * evaluated / toy.training.seq_len
+        ) / cpu_flops
+        read = _dataset_split_bytes(cfg, hw)
+        written = model_bytes
+        host += (
+            geometry.total_params * 16
+            + _batch_activation_bytes(geometry, toy.training.batch_size, toy.training.seq_len) * 4
+        )
+    elif stage in ("sample_calibration", "pin_prompt"):
+        splits = sum(len(m.splits) for m in cfg.dataset.hub) if cfg.dataset.source == "hub" else 1
+        split_bytes = _dataset_split_bytes(cfg, hw)
+        if stage == "pin_prompt":
+            splits = 0 if cfg.prompt.source == "token_ids_file" else 1
+            written = prompt_len * 4
+            tokens = prompt_len
+        else:
+            written = calib.num_samples * calib.seq_len * 4
+            tokens = calib.num_samples * calib.seq_len
+        data = splits * split_bytes
+        if cfg.dataset.source == "hub":
+            download = data
+            scratch = data  # the Arrow cache of the downloaded splits (a temporary directory)
+        read = data
+        host += int(data * hw.python_object_factor)  # conversations() materialises every split's column
+        compute_s = tokens / hw.tokenize_tokens_per_s
+    elif stage == "collect_activation_stats":
+        tokens = calib.num_samples * calib.seq_len
+        read = model_bytes + tokens * 4
+        compute_s = geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=0) / cpu_flops
+        host += model_bytes + _batch_activation_bytes(
+            geometry, cfg.quantize.activation_batch_size, calib.seq_len
+        )
+        written = _activation_stats_bytes(geometry)
+        if gpus:
+            notes.append("computes on CPU: run_collect_activation_stats passes no device")
+    elif stage == "quantize_layer":
+        fmt = fmt or "nvfp4_w4a16"
+        params = {
+            "nvfp4_w4a16": f"nvfp4_w4a16:{cfg.quantize.nvfp4_w4a16.calibration}",
+            "fp8": f"fp8:{cfg.quantize.fp8.weight_calibration}",
+            "bf16": "bf16",
+        }[fmt]
+        result = _layer_result_bytes(geometry, fmt)
+        read = geometry.routed_bytes_per_layer
+        written = result + 3 * geometry.num_experts * _AUDIT_BYTES_PER_TENSOR
+        compute_s = geometry.routed_params_per_layer / (
+            hw.cpu_quantize_elements_per_s_per_core[params] * cpus
+        )
+        # the growing result, safetensors' save_file copy of it (bytes per tensor), per-expert temporaries
+        host += 2 * result + _QUANTIZE_TEMP_BYTES
+    elif stage == "score_sensitivity":
+        fmt = fmt or "nvfp4_w4a16"
+        first = geometry.moe_layers[: max(1, layers)]
+        tokens = calib.num_samples * calib.seq_len
+        read = model_bytes + tokens * 4
+        held = len(first) * geometry.routed_bytes_per_layer  # dequantized fused [E, 2I, H] + [E, H, I]
+        if cfg.placement.search.calibration == "rebuild":
+            result = _layer_result_bytes(geometry, fmt)
+            read += len(first) * result
+            held += len(first) * result + geometry.routed_bytes_per_layer  # loaded files; one layer's dequant
+        flops = geometry.forward_flops(calib.seq_len, calib.num_samples)
+        for layer in first:  # suffix: the layer's routed experts, the later layers, norm and lm_head
+            routed = 2 * geometry.num_experts_per_tok * geometry.routed_params_per_expert * tokens
+            flops += routed + geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=layer + 1)
+        compute_s = flops / cpu_flops
+        batch = cfg.placement.search.batch_size
+        batch_tokens = batch * calib.seq_len
+        # logits bf16 x2, log_p / p / quantized .float() / log_q fp32; recorded layer inputs
+        logits = batch_tokens * geometry.vocab_size * (2 * 2 + 4 * 4)
+        recorded = (
+            batch_tokens * geometry.hidden_size * 2 * (geometry.num_hidden_layers - first[0] + 3 * len(first))
+        )
+        host += (
+            model_bytes + held + logits + recorded + _batch_activation_bytes(geometry, batch, calib.seq_len)
+        )
+        written = 400 * len(first) + 1000
+        if gpus:
+            notes.append("computes on CPU: run_score_sensitivity loads the model with no device")
+    elif stage == "solve_placement":
+        search = cfg.placement.search
+        read = 500 * len(geometry.moe_layers) * len(cfg.placement.formats)
+        compute_s = (1 + search.frontier_points) * hw.ilp_solve_s + 2 * hw.plot_s
+        written = 2000 * len(geometry.moe_layers) + 200 * search.frontier_points + 400_000  # JSON, CSV, 2 PNG
+        host += 512 * MIB
+    elif stage == "export_checkpoint":
+        counts = placement_counts(cfg, geometry)
+        kv = "FP8" if cfg.export.kv_cache_quant else None
+        structure = predict_structure(geometry.to_hf_config(), placement_counts=counts, kv_cache_quant=kv)
+        written = structure["payload_bytes"]
+        routed = sum(structure["bytes"]["routed"].values())
+        # non-expert tensors from the source, routed ones from the layer results
+        read = structure["bytes"]["non_expert"] + routed
+        if kv:
+            read += _activation_stats_bytes(geometry)  # k/v amax for the KV-cache scales
+        entries = checkpoint_tensors(geometry.to_hf_config(), {}, kv_cache_quant=kv)
+        written += 200 * len(entries)  # shard headers + index (~200 B of JSON per tensor)
+        host += 256 * MIB  # headers and records only: tensor bytes are copied file to file
+        notes.append("placement " + ", ".join(f"{f}={n}" for f, n in counts.items()))
+    elif stage in ("reference_logits", "run_kld"):
+        engine = cfg.kld.engine
+        if stage == "reference_logits":
+            checkpoint, what = model_bytes, "the BF16 model"
+        else:
+            checkpoint, what = _candidate_bytes(cfg, geometry, candidate)
+            notes.append(what)
+        read = checkpoint + prompt_len * 4 + (logits_bytes if stage == "run_kld" else 0)
+        written = logits_bytes if stage == "reference_logits" else (prompt_len - 1) * 41 + 10_000
+        hashed = logits_bytes * (2 if stage == "run_kld" else 1)  # logits_sha256 (candidate; reference)
+        flops = geometry.forward_flops(prompt_len)
+        # lm_head applied off-engine in fp32 (vllm), and the KL statistics over [T-1, V] (run_kld)
+        off_engine = 2 * (prompt_len - 1) * geometry.lm_head_params if engine == "vllm" else 0
+        off_engine += 20 * (prompt_len - 1) * geometry.vocab_size if stage == "run_kld" else 0
+        compute_s = off_engine / hw.cpu_forward_flops_per_core
+        # output logits: fp32 result, its bf16 rounding and fp32 copy, numpy copy for the SHA-256
+        host += 3 * logits_bytes
+        if stage == "run_kld":
+            host += logits_bytes  # the reference logits
+        if engine == "vllm":
+            startup += hw.vllm_startup_s
+            tp = cfg.kld.tensor_parallel_size
+            if gpus < tp:
+                raise ValueError(
+                    f"{stage}: vllm with tensor_parallel_size {tp} needs {tp} GPUs, job has {gpus}"
+                )
+            compute_s += flops / (tp * hw.gpu_bf16_flops * hw.gpu_mfu)
+            gpu_bytes = int(hw.vllm_gpu_memory_utilization * hw.gpu_memory_bytes)
+            host += tp * hw.vllm_worker_host_bytes + geometry.lm_head_params * 6  # bf16 + fp32 lm_head
+            if checkpoint / tp > gpu_bytes:
+                notes.append(f"weights {checkpoint / tp / GIB:.0f} GiB per GPU exceed vLLM's reservation")
+        else:
+            host += model_bytes + _batch_activation_bytes(geometry, 1, prompt_len)
+            act = _batch_activation_bytes(geometry, 1, prompt_len) + (prompt_len * geometry.vocab_size * 2)
+            if gpus:
+                compute_s += flops / (hw.gpu_bf16_flops * hw.gpu_mfu)  # hf: one device, whatever the job has
+                gpu_bytes = model_bytes + act
+                notes.extend(_fits_note(stage, gpu_bytes, hw))
+            else:
+                compute_s += flops / cpu_flops
+            host += prompt_len * geometry.vocab_size * 2  # logits [1, T, V] bf16
+    elif stage == "gate_kld":
+        positions = prompt_len - 1
+        runs = cfg.kld.runs * (2 if cfg.kld.baseline else 1)
+        read = runs * (positions * 41 + 10_000)
+        samples = cfg.kld.gates.bootstrap_samples
+        compute_s = samples * positions * 10 / hw.cpu_forward_flops_per_core
+        host += 3 * samples * positions * 8  # resampled indices and the paired means
+        written = positions * 8 + 20_000
+    elif stage == "kld_report":
+        pairs = len(cfg.kld.candidates) * len(cfg.kld.kv_cache_dtypes)
+        read = pairs * ((prompt_len - 1) * 8 + 20_000)
+        compute_s = 2 * len(cfg.kld.kv_cache_dtypes) * hw.plot_s
+        written = pairs * 2000 + 2 * len(cfg.kld.kv_cache_dtypes) * 150_000
+        host += 512 * MIB
+    elif stage == "check_kld_gates":
+        read, written = 50_000, 20_000
+
+    read += written  # the manifest re-reads every published file
+    hashed += written
+    written += scratch
+    compute_s += hashed / hw.sha256_bytes_per_s
+    runtime = (
+        startup
+        + read / hw.storage_read_bytes_per_s
+        + written / hw.storage_write_bytes_per_s
+        + download / hw.hub_download_bytes_per_s
+        + compute_s
+    )
+    if gpus and stage not in GPU_FORWARD_STAGES:
+        gpu_bytes = 0
+    return StageCost(
+        stage, gpus, cpus, runtime, int(read), int(written), int(host), int(gpu_bytes), tuple(notes)
+    )
+
+
+def rule_resources(
+    cfg: MixquantConfig,
+    geometry: Geometry,
+    stage: str,
+    *,
+    gpus: int = 0,
+    fmt: str | None = None,
+    layers: int = 1,
+    hardware: Hardware = B200,
+) -> dict[str, int]:
+    """SLURM request of one job: ``mem_mb`` = peak host x 1.25 rounded up to whole GiB (at least 2000),
+    ``runtime`` = runtime x 2 in minutes rounded up to 10 (at least 10), ``gpu`` when the job has GPUs."""
+    cost = stage_cost(cfg, geometry, stage, gpus=gpus, fmt=fmt, layers=layers, hardware=hardware)
+    mem_mb = max(2000, math.ceil(cost.peak_host_bytes * 1.25 / GIB) * 1024)
+    runtime = max(10, math.ceil(cost.runtime_s * 2 / 60 / 10) * 10)
+    resources = {"mem_mb": mem_mb, "runtime": runtime}
+    if gpus:
+        resources["gpu"] = gpus
+    return resources
+
+
+GPU_STAGE_COUNT = {"collect_activation_stats": 4, "score_sensitivity": 4, "reference_logits": 4, "run_kld": 4}
+
+
+def cost_table_markdown(cfg: MixquantConfig, geometry: Geometry, hardware: Hardware = B200) -> str:
+    """The per-stage per-job table of the README (GPU stages get 4 GPUs; quantize_layer per format)."""
+    rows = [
+        "| stage (job) | GPUs | CPUs | runtime | read | written | peak host | GPU mem/GPU "
+        "| rule mem_mb / runtime |"
+    ]
+    rows.append("|---|---|---|---|---|---|---|---|---|")
+    layers = cfg.placement.search.layers_per_job
+    jobs: list[tuple[str, str, dict[str, Any]]] = []
+    for stage in STAGES:
+        if stage == ("build_toy_model" if cfg.model.source != "toy" else "fetch_model"):
+            continue
+        if stage == "quantize_layer":
+            jobs += [(stage, f"{stage} {fmt}", {"fmt": fmt}) for fmt in FORMATS]
+        elif stage == "score_sensitivity":
+            jobs += [
+                (stage, f"{stage} {fmt} x{layers}", {"fmt": fmt, "layers": layers})
+                for fmt in ("nvfp4_w4a16", "fp8")
+            ]
+        else:
+            jobs.append((stage, stage, {}))
+    for stage, label, kwargs in jobs:
+        gpus = GPU_STAGE_COUNT.get(stage, 0)
+        cost = stage_cost(cfg, geometry, stage, gpus=gpus, hardware=hardware, **kwargs)
+        res = rule_resources(cfg, geometry, stage, gpus=gpus, hardware=hardware, **kwargs)
+        rows.append(
+            f"| {label} | {gpus} | {cost.cpus} | {_duration(cost.runtime_s)} | {_size(cost.bytes_read)} | "
+            f"{_size(cost.bytes_written)} | {_size(cost.peak_host_bytes)} | {_size(cost.peak_gpu_bytes)} | "
+            f"{res['mem_mb']} / {res['runtime']} min |"
+        )
+    return "\n".join(rows)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
