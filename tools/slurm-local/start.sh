@@ -112,6 +112,8 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
+# a laptop or CI runner is slower than the nodes the cost model sizes jobs for: let jobs overrun
+OverTimeLimit=UNLIMITED
 Waittime=0
 GresTypes=gpu
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$REALMEM Gres=gpu:4 State=UNKNOWN
