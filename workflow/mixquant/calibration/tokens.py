@@ -76,7 +76,7 @@ def save_token_ids(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]
     The file is written to a temporary name in the same directory and renamed into place, so a reader never
     sees a half-written file. The returned hash is :func:`token_ids_sha256` of the IDs (not the file's hash).
     """
-    from safetensors.torch import save_file
+    from mixquant.export.checkpoint import save_file_sorted  # lazy: a heavy import
 
     ids32 = as_int32_ids(ids)
     if not isinstance(metadata, dict):
@@ -89,7 +89,7 @@ def save_token_ids(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file({INPUT_IDS_KEY: ids32}, tmp, metadata=dict(metadata))
+        save_file_sorted({INPUT_IDS_KEY: ids32}, tmp, metadata)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

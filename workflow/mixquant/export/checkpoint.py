@@ -383,6 +383,17 @@ def write_safetensors(
     return size
 
 
+def save_file_sorted(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, str]
+) -> int:
+    """``safetensors.torch.save_file`` with the metadata in sorted key order, so the bytes are a function of
+    the content: safetensors' own writer keeps metadata in a Rust HashMap, whose order changes from process
+    to process once there are two or more keys (an identical result then hashes differently)."""
+    records = [tensor_record(name, tensor) for name, tensor in tensors.items()]
+    ordered_metadata = {str(k): str(v) for k, v in sorted(metadata.items())}
+    return write_safetensors(Path(path), records, metadata=ordered_metadata, fsync=False)
+
+
 def _file_records(path: Path, what: str) -> dict[str, TensorRecord]:
     """Records of every tensor in an existing safetensors file (validated header, absolute offsets)."""
     try:

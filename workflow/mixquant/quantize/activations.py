@@ -351,7 +351,7 @@ def _tensor_name(layer: int, stat: str) -> str:
 def save_activation_stats(stats: dict, out_dir: Path) -> None:
     """Write ``activation_stats.safetensors`` (tensors ``layers.{L}.{stat}`` + string metadata) and
     ``activation_stats.json`` (metadata and the values, for reading) to ``out_dir``; atomic renames."""
-    from safetensors.torch import save_file
+    from mixquant.export.checkpoint import save_file_sorted  # lazy: export imports quantize
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -373,7 +373,7 @@ def save_activation_stats(stats: dict, out_dir: Path) -> None:
         "where": json.loads(metadata["where"]) if "where" in metadata else WHERE,
         "layers": summary_layers,
     }
-    _atomic_write(out_dir / SAFETENSORS_NAME, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    _atomic_write(out_dir / SAFETENSORS_NAME, lambda tmp: save_file_sorted(tensors, tmp, metadata))
     _atomic_write(
         out_dir / JSON_NAME,
         lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n"),
