@@ -8,6 +8,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/calibration.smk"
@@ -16,6 +19,8 @@ include: "workflow/rules/quantize.smk"
 include: "workflow/rules/search.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/kld.smk"
+include: "workflow/rules/verify.smk"
+include: "workflow/rules/release.smk"
 
 
 rule all:

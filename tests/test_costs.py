@@ -177,5 +177,5 @@ def test_rule_resources_round_as_documented(laguna_cfg, laguna):
 
 
 def test_unknown_stage_is_refused(laguna_cfg, laguna):
-    with pytest.raises(ValueError, match="unknown stage 'verify_hashes'"):
-        stage_cost(laguna_cfg, laguna, "verify_hashes")
+    with pytest.raises(ValueError, match="unknown stage 'publish_release'"):
+        stage_cost(laguna_cfg, laguna, "publish_release")

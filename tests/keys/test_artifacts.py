@@ -27,7 +27,10 @@ def raw_search():
     return config
 
 
-KLD_STAGES = {"reference_logits", "run_kld", "gate_kld", "kld_report", "check_kld_gates"}
+# (and verify_hashes, downstream of the prompt, the reference and the checkpoint: tests/release/)
+KLD_STAGES = {"reference_logits", "run_kld", "gate_kld", "kld_report", "check_kld_gates", "verify_hashes"}
+# assemble_release holds the whole recipe, so every knob moves it (tests/release/test_recipe.py)
+KLD_STAGES |= {"assemble_release"}
 
 
 def keys(raw_config):
@@ -294,6 +297,7 @@ def test_gate_settings_move_only_gates_report_and_verdict(raw_search):
     assert {n for n in a if a[n].key != b[n].key} == {n for n in a if n.startswith("gate/")} | {
         "kld_report",
         "kld_verdict",
+        "release",  # the recipe it ships holds the gates
     }
     seed = copy.deepcopy(raw_search)
     seed["kld"]["seed"] = 1

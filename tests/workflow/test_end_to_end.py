@@ -205,7 +205,9 @@ def test_moving_one_layer_runs_only_that_layer_x_format(built_workdir):
     paths = wd.paths(moved)
     missing = [n for n, row in paths.items() if n.startswith("layer/") and not row["done"]]
     assert all(name.endswith("/bf16") for name in missing)
-    kld = {"run_kld": 10, "gate_kld": 2, "kld_report": 1, "check_kld_gates": 1}  # this checkpoint's KLD
+    # this checkpoint's KLD and the verification of its hashes
+    kld = {"run_kld": 10, "gate_kld": 2, "kld_report": 1, "check_kld_gates": 1, "verify_hashes": 1}
+    kld["assemble_release"] = 1  # and its release
     expected = {**({"quantize_layer": len(missing)} if missing else {}), "export_checkpoint": 1, **kld}
     assert wd.plan(moved) == expected
     wd.snakemake(paths["checkpoint"]["path"], "--configfile", moved)

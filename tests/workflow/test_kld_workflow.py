@@ -84,13 +84,14 @@ def test_failing_gate_fails_with_one_line_and_keeps_the_aggregates(built_workdir
     config = wd.config()
     config["kld"]["gates"]["max_mean_kld"] = 1e-9
     name = wd.write_config("config/strict-gates.yaml", config)
-    assert wd.plan(name) == {"gate_kld": 6, "kld_report": 1, "check_kld_gates": 1}
+    # (and the release, whose recipe holds the gates: never assembled past a failed gate)
+    assert wd.plan(name) == {"gate_kld": 6, "kld_report": 1, "check_kld_gates": 1, "assemble_release": 1}
     result = wd.snakemake("--configfile", name, check=False)
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("mixquant:")]
     assert len(lines) == 1 and "KLD gates failed: searched/bfloat16: max_mean_kld" in lines[0], lines
     paths = wd.paths(name)
     assert all(paths[n]["done"] for n in paths if n.startswith("gate/")) and paths["kld_report"]["done"]
-    assert not paths["kld_verdict"]["done"]
+    assert not paths["kld_verdict"]["done"] and not paths["release"]["done"]
     failed = json.loads((_dir(wd, paths, "gate/searched/fp8") / "aggregate.json").read_text())
     assert failed["verdict"]["passed"] is False

@@ -43,6 +43,8 @@ def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
         "gate_kld": 6,
         "kld_report": 1,
         "check_kld_gates": 1,
+        "verify_hashes": 1,
+        "assemble_release": 1,
     }
 
 
@@ -178,6 +180,8 @@ def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(wo
         "gate_kld": 2,
         "kld_report": 1,
         "check_kld_gates": 1,
+        "verify_hashes": 1,
+        "assemble_release": 1,
     }
     for (stage, _), row in rows.items():
         assert (row["gpu_hours"] > 0) == (stage in ("reference_logits", "run_kld")), stage

@@ -1,4 +1,4 @@
-"""The `mixquant` command: paths, explain, plan, run, schema."""
+"""The `mixquant` command: paths, explain, plan, run, verify, inspect, predict, schema."""
 
 from __future__ import annotations
 
@@ -252,6 +252,8 @@ STAGE_RUNNERS = {
     "gate_kld": "mixquant.kld.run:run_gate_kld",
     "kld_report": "mixquant.kld.run:run_kld_report",
     "check_kld_gates": "mixquant.kld.run:run_check_kld_gates",
+    "verify_hashes": "mixquant.release.verify:run_verify_hashes",
+    "assemble_release": "mixquant.release.bundle:run_assemble_release",
 }
 
 
@@ -277,6 +279,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     paths = {role: up.path for role, up in upstream.items()}
     print(runner(art.path, **paths, settings=art.settings, preimage=art.preimage))
     return 0
+
+
+# ----------------------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """The published hashes re-derived from this config's artifacts: 0 when none mismatches, else 1."""
+    from mixquant.release.verify import format_report, verify_artifacts
+
+    cfg = _load(args)
+    artifacts = _artifacts(cfg)
+    report = verify_artifacts(artifacts, cfg.published, results_dir=cfg.results_dir, against=args.against)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
 
 
 # --------------------------------------------------------------------------------- inspect, predict
@@ -356,6 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", help="artifact name (see `mixquant paths`) or a stage with a single artifact")
     p.set_defaults(func=cmd_run)
+
+    p = with_config(
+        sub.add_parser("verify", help="re-derive the four published SHA-256 values and compare them")
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--against",
+        metavar="DIR",
+        help="on a reference-logits mismatch, compare with this reference_logits output "
+        "(default: one under results/reference_logits/ with the published hash)",
+    )
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="audit a ModelOpt checkpoint directory (any producer)")
     p.add_argument("directory")

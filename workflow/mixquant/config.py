@@ -439,11 +439,20 @@ class KldSection(Strict):
 
 
 class PublishedHashes(Strict):
-    prompt_token_ids: Sha256 | None = Field(default=None, description="SHA-256 of the prompt token IDs.")
-    reference_logits: Sha256 | None = Field(default=None, description="SHA-256 of the BF16 reference logits.")
-    quant_config: Sha256 | None = Field(default=None, description="SHA-256 of hf_quant_config.json.")
+    """What `mixquant verify` and verify_hashes compare with; null: not pinned. Enters only their key."""
+
+    prompt_token_ids: Sha256 | None = Field(
+        default=None, description="SHA-256 of the prompt token IDs (little-endian int32, no header)."
+    )
+    reference_logits: Sha256 | None = Field(
+        default=None,
+        description="SHA-256 of the BF16 reference logits (float32 [T-1, V], little-endian, no header).",
+    )
+    quant_config: Sha256 | None = Field(
+        default=None, description="SHA-256 of the exported hf_quant_config.json's bytes."
+    )
     safetensors_index: Sha256 | None = Field(
-        default=None, description="SHA-256 of model.safetensors.index.json."
+        default=None, description="SHA-256 of the exported model.safetensors.index.json's bytes."
     )
 
 
@@ -462,6 +471,25 @@ class ExpectedStructure(Strict):
     payload_bytes: int | None = Field(default=None, ge=0, description="Sum of tensor bytes.")
     audited_bytes: int | None = Field(default=None, ge=0, description="Audited on-disk bytes of the release.")
     shards: int | None = Field(default=None, ge=1, description="Safetensors shards.")
+
+
+class ReleaseSection(Strict):
+    name: str | None = Field(
+        default=None,
+        description="Name of the release (e.g. the hub repository id it is published as); the model card's "
+        "title and the vLLM command use it. Default: derived from the source model and the placement.",
+    )
+    license: str = Field(
+        default="other",
+        description="Model card `license` (a Hugging Face license identifier); the base model's license "
+        "applies to a quantized release.",
+    )
+    license_name: str | None = Field(
+        default=None, description="Model card `license_name` (with license: other), e.g. 'psf-2.0'."
+    )
+    license_link: str | None = Field(
+        default=None, description="Model card `license_link`: where the license text is (URL or file)."
+    )
 
 
 # ------------------------------------------------------------------------------------------ root
@@ -485,10 +513,15 @@ class MixquantConfig(Strict):
     export: ExportSection = Field(default_factory=ExportSection, description="The exported checkpoint.")
     kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
     published: PublishedHashes = Field(
-        default_factory=PublishedHashes, description="Published SHA-256 values."
+        default_factory=PublishedHashes,
+        description="Published SHA-256 values: `mixquant verify` and verify_hashes compare with them "
+        "(null: not pinned).",
     )
     expected: ExpectedStructure = Field(
         default_factory=ExpectedStructure, description="Structure numbers the release is expected to have."
+    )
+    release: ReleaseSection = Field(
+        default_factory=ReleaseSection, description="The release bundle's model card (assemble_release)."
     )
 
 

@@ -49,6 +49,8 @@ STAGES = (
     "gate_kld",
     "kld_report",
     "check_kld_gates",
+    "verify_hashes",
+    "assemble_release",
 )
 # Stages whose code puts the forward on a GPU when the job has one. collect_activation_stats and
 # score_sensitivity load the model with no device argument (quantize/run.py, search/run.py), so they
@@ -640,6 +642,27 @@ def stage_cost(
         host += 512 * MIB
     elif stage == "check_kld_gates":
         read, written = 50_000, 20_000
+    elif stage == "verify_hashes":
+        # the prompt, the reference logits (loaded, then hashed from a numpy copy) and the checkpoint's
+        # hf_quant_config.json and index (~100 B of JSON per tensor)
+        entries = checkpoint_tensors(geometry.to_hf_config(), {}, kv_cache_quant=None)
+        read = prompt_len * 4 + logits_bytes + 100 * len(entries)
+        hashed = logits_bytes + 100 * len(entries)
+        host += 2 * logits_bytes
+        written = 5_000
+
+    elif stage == "assemble_release":
+        # the checkpoint is hardlinked (no bytes copied) but the release's manifest hashes every file of it;
+        # release_hashes re-hashes the reference logits; card, recipe, audits and aggregates are small
+        counts = placement_counts(cfg, geometry)
+        kv = "FP8" if cfg.export.kv_cache_quant else None
+        structure = predict_structure(geometry.to_hf_config(), placement_counts=counts, kv_cache_quant=kv)
+        entries = checkpoint_tensors(geometry.to_hf_config(), {}, kv_cache_quant=kv)
+        checkpoint = structure["payload_bytes"] + 200 * len(entries)
+        read = checkpoint + logits_bytes + prompt_len * 4
+        hashed = checkpoint + logits_bytes
+        host += 2 * logits_bytes + 512 * MIB
+        written = 200_000
 
     read += written  # the manifest re-reads every published file
     hashed += written

@@ -73,7 +73,12 @@ rule kld_report:
     input:
         unpack(keyed_inputs),
     output:
-        report=directory(f"{CFG.results_dir}/kld_report/{{key}}"),
+        report=report(
+            directory(f"{CFG.results_dir}/kld_report/{{key}}"),
+            patterns=["{plot}.png", "{table}.csv"],
+            caption="../report/kld.rst",
+            category="KL divergence",
+        ),
     log:
         f"{CFG.results_dir}/logs/kld_report/{{key}}.log",
     wildcard_constraints:

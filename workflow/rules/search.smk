@@ -36,7 +36,12 @@ if CFG.placement.source == "search":
                 }
             ),
         output:
-            placement=directory(artifact_path("placement")),
+            placement=report(
+                directory(artifact_path("placement")),
+                patterns=["{plot}.png", "{table}.csv"],
+                caption="../report/placement.rst",
+                category="Placement",
+            ),
         log:
             stage_log("placement"),
         benchmark:

@@ -24,7 +24,9 @@ def checkpoint_audit(
     from mixquant.export.inspect import inspect_checkpoint
     from mixquant.export.predict import predict_structure
 
-    inspection = inspect_checkpoint(export_dir)
+    # The audit describes the directory it ships in: not the temporary path it was written under (a pid
+    # and a random suffix would make the file differ between two runs of the same key).
+    inspection = {**inspect_checkpoint(export_dir), "directory": "."}
     config = json.loads((export_dir / "config.json").read_text("utf-8"))
     predicted = predict_structure(config, placement=placement, kv_cache_quant="FP8" if kv_cache else None)
     agreement = {

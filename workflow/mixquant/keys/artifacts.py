@@ -180,6 +180,9 @@ def resolve_artifacts(
         _rebuild_artifacts(graph, placement)
         _export_artifact(graph, placement)
     _kld_artifacts(graph, placement is not None)
+    if placement is not None:
+        _verify_artifact(graph)
+        _release_artifact(graph, placement)
     return graph.artifacts
 
 
@@ -457,6 +460,44 @@ def _kld_artifacts(graph: _Graph, placed: bool) -> None:
         graph.add("kld_verdict", "check_kld_gates", report_slice, report_slice, {"report": "kld_report"})
 
 
+def _verify_artifact(graph: _Graph) -> None:
+    """verify_hashes: the published values and the keys of the prompt, the reference and the checkpoint.
+
+    ``published`` enters this key only: pinning a hash never moves an upstream stage.
+    """
+    published = {"published": graph.cfg.published.model_dump(mode="json")}
+    upstream = {"prompt": "prompt", "reference_logits": "reference_logits", "checkpoint": "checkpoint"}
+    graph.add("verify", "verify_hashes", published, published, upstream)
+
+
+def _release_artifact(graph: _Graph, placement: dict[int, str]) -> None:
+    """assemble_release: the checkpoint, its recipe and audits, the KLD aggregates and the model card.
+
+    Its key holds the recipe (the resolved config with the placement written down; the card is made from
+    it and the upstream outputs) and the keys of everything the bundle copies or quotes. Planned only once
+    every candidate's gate and the verdict are known: a release is never assembled past a failed gate.
+    """
+    from mixquant.release.recipe import recipe_document
+
+    if "kld_verdict" not in graph.artifacts or "checkpoint" not in graph.artifacts:
+        return
+    cfg = graph.cfg
+    upstream = {
+        "model": "model",
+        "checkpoint": "checkpoint",
+        "prompt": "prompt",
+        "reference": "reference_logits",
+        "verdict": "kld_verdict",
+    }
+    if "placement" in graph.artifacts:
+        upstream["placement"] = "placement"
+    for candidate in cfg.kld.candidates:
+        for kv in cfg.kld.kv_cache_dtypes:
+            upstream[f"gate_{candidate.name}_{kv}"] = f"gate/{candidate.name}/{kv}"
+    release_slice = {"recipe": recipe_document(cfg, placement)}
+    graph.add("release", "assemble_release", release_slice, release_slice, upstream)
+
+
 def layer_artifacts(artifacts: dict[str, Artifact]) -> list[Artifact]:
     return [art for art in artifacts.values() if art.stage == "quantize_layer"]
 
@@ -469,8 +510,8 @@ def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
 
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
-    """Directories `rule all` asks for (the checkpoint and the KLD verdict once the placement is known)."""
-    names = ("model", "calibration", "prompt", "placement", "checkpoint", "kld_verdict")
+    """Directories `rule all` asks for (checkpoint, verdict, verification, release once placed)."""
+    names = ("model", "calibration", "prompt", "placement", "checkpoint", "kld_verdict", "verify", "release")
     targets = [str(artifacts[name].path) for name in names if name in artifacts]
     # gates known before the placement (candidates that do not depend on it) can run early
     return targets + [str(a.path) for a in artifacts.values() if a.stage == "gate_kld"]

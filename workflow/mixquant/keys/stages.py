@@ -121,6 +121,21 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.export.checkpoint", "mixquant.export.inspect", "mixquant.export.predict"),
             ("nvidia-modelopt", "safetensors", "transformers"),
         ),
+        # Hashes of bytes the upstream stages wrote: the encodings live in the code, no package decides.
+        StageSpec("verify_hashes", ("mixquant.release.hashes", "mixquant.release.verify"), ()),
+        # The bundle copies upstream files and writes the recipe, the KLD table and the model card (which
+        # names the mixquant version, so it enters the key).
+        StageSpec(
+            "assemble_release",
+            (
+                "mixquant.release.bundle",
+                "mixquant.release.card",
+                "mixquant.release.recipe",
+                "mixquant.release.hashes",
+                "mixquant.kld.report",
+            ),
+            ("mixquant", "pandas"),
+        ),
     )
 }
 

@@ -1,0 +1,196 @@
+"""The model card: YAML front matter a hub can parse, the sections of a release, numbers from its inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from mixquant.config import load_config_file
+from mixquant.release.card import CardInputs, model_card, parse_front_matter, serve_commands
+from mixquant.release.recipe import recipe_document
+
+REPO = Path(__file__).resolve().parents[2]
+TOY_PLACEMENT = {1: "nvfp4_w4a16", 2: "nvfp4_w4a16", 3: "fp8", 4: "nvfp4_w4a16", 5: "bf16", 6: "fp8",
+                 7: "nvfp4_w4a16", 8: "bf16"}  # fmt: skip
+HASHES = {
+    "prompt_token_ids": ("pin_prompt", "prompt.safetensors", "1" * 64),
+    "reference_logits": ("reference_logits", "logits.safetensors", "2" * 64),
+    "quant_config": ("export_checkpoint", "hf_quant_config.json", "3" * 64),
+    "safetensors_index": ("export_checkpoint", "model.safetensors.index.json", "4" * 64),
+}
+SECTIONS = (
+    "## Precision placement",
+    "## KL divergence vs BF16",
+    "## Serving with vLLM",
+    "## Provenance",
+    "## Status and limitations",
+    "## Files",
+)
+
+
+def _gate(candidate, kv, mean_kld, reduction=None):
+    improvement = None
+    if reduction is not None:
+        improvement = {"reduction": reduction, "ci_low": reduction - 0.05, "ci_high": reduction + 0.05}
+    return {
+        "candidate": candidate,
+        "kv_cache_dtype": kv,
+        "aggregate": {
+            "runs": 5,
+            "mean_kld": mean_kld,
+            "run_spread": 0.0,
+            "identical_runs": True,
+            "summary": {"mean_kld_se": 1e-4, "same_top_pct": 97.5, "rms_dp": 0.01, "ppl_ratio": 1.001},
+        },
+        "improvement": improvement,
+        "verdict": {"passed": True, "checks": [{"name": "max_mean_kld", "passed": True}]},
+    }
+
+
+def _inputs(config="config/config.yaml", placement=None) -> CardInputs:
+    placement = placement or TOY_PLACEMENT
+    recipe = recipe_document(load_config_file(REPO / config), placement)
+    counts = {fmt: sum(1 for f in placement.values() if f == fmt) for fmt in ("nvfp4_w4a16", "fp8", "bf16")}
+    quantized = {
+        f"model.layers.{layer}.mlp.experts": (
+            {"quant_algo": "W4A16_NVFP4", "group_size": 16} if fmt == "nvfp4_w4a16" else {"quant_algo": "FP8"}
+        )
+        for layer, fmt in placement.items()
+        if fmt != "bf16"
+    }
+    gates = []
+    for kv, searched, uniform in (("bfloat16", 0.0123, 0.0210), ("fp8", 0.0150, 0.0232)):
+        gates += [
+            _gate("searched", kv, searched, 0.4123 if kv == "bfloat16" else 0.3351),
+            _gate("uniform-nvfp4", kv, uniform),
+            _gate("bf16", kv, 0.0 if kv == "bfloat16" else 0.0007, 0.99),
+        ]
+    return CardInputs(
+        recipe=recipe,
+        inspection={
+            "placement_counts": counts,
+            "routed_effective_bits": 7.1875,
+            "tensors": {"routed": {"nvfp4_w4a16": 1536, "fp8": 768, "bf16": 256}, "total": 2700},
+            "payload_bytes": 12_345_678,
+            "shards": [
+                {"file": "model-00001-of-00002.safetensors"},
+                {"file": "model-00002-of-00002.safetensors"},
+            ],
+            "layer_formats": {str(layer): fmt for layer, fmt in placement.items()},
+        },
+        hf_quant_config={
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quantization": {
+                "quant_algo": "MIXED_PRECISION",
+                "kv_cache_quant_algo": None,
+                "quantized_layers": quantized,
+            },
+        },  # fmt: skip
+        gates=gates,
+        hashes={
+            name: {
+                "name": name,
+                "sha256": sha,
+                "artifact": {"stage": stage, "key": "5" * 64, "file": file, "path": "x"},
+                "encoding": "the file's bytes as written",
+            }
+            for name, (stage, file, sha) in HASHES.items()
+        },
+        keys={"model": "a" * 64, "checkpoint": "b" * 64, "placement": "c" * 64},
+        producer={
+            "name": "mixquant",
+            "version": "0.1.0",
+            "numerics": {"name": "modelopt", "version": "0.47.0"},
+        },
+        verdict={"passed": True, "verdicts": [{}] * 6},
+        placement_audit={
+            "method": "ilp",
+            "objective": 0.0456,
+            "budget": {"target_effective_bits": 8.0, "effective_bits": 7.1875, "cost_model": "numel"},
+            "groups": [
+                {"layer": layer, "scores": {"nvfp4_w4a16": 0.001 * layer, "fp8": 0.0001 * layer, "bf16": 0.0}}
+                for layer in placement
+            ],
+        },
+        model_type="laguna",
+        files=["config.json", "quantization_recipe.yaml"],
+    )
+
+
+def test_front_matter_parses_and_names_what_a_hub_needs():
+    card = model_card(_inputs())
+    meta = parse_front_matter(card)
+    assert meta["license"] == "other" and meta["license_name"] == "psf-2.0"  # config/config.yaml release
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"mixquant", "modelopt", "nvfp4", "fp8", "mixed-precision", "laguna"} <= set(meta["tags"])
+    assert "base_model" not in meta  # the toy has no hub repository to point at
+    quant = meta["quantization"]
+    assert quant["quant_algo"] == "MIXED_PRECISION" and quant["routed_effective_bits"] == 7.1875
+    assert quant["routed_expert_layers"] == {"nvfp4_w4a16": 4, "fp8": 2, "bf16": 2}
+    assert quant["modelopt_version"] == "0.47.0" and quant["mixquant_version"] == "0.1.0"
+    body = card.split("\n---\n", 1)[1]
+    positions = [body.index(section) for section in SECTIONS]
+    assert positions == sorted(positions)
+
+
+def test_hub_source_gives_base_model_and_the_cluster_serving_flags():
+    inputs = _inputs("config/laguna-s-2.1.yaml", {layer: "nvfp4_w4a16" for layer in range(1, 48)})
+    meta = parse_front_matter(model_card(inputs))
+    assert meta["base_model"] == "poolside/Laguna-S-2.1" and meta["base_model_relation"] == "quantized"
+    assert "fp8" not in meta["tags"]  # no FP8 layer placed
+    bf16, fp8 = serve_commands(inputs.recipe, "org/release")
+    assert bf16.startswith("vllm serve org/release")
+    for command, kv in ((bf16, "bfloat16"), (fp8, "fp8")):
+        flags = command.split()
+        assert flags[flags.index("--kv-cache-dtype") + 1] == kv  # never auto
+        assert flags[flags.index("--tensor-parallel-size") + 1] == "4"
+        assert flags[flags.index("--max-model-len") + 1] == "4096"
+        assert "--quantization" not in flags  # vLLM detects ModelOpt from hf_quant_config.json
+
+
+def test_numbers_come_from_the_inputs():
+    inputs = _inputs()
+    card = model_card(inputs)
+    assert "Routed-expert effective bits: 7.1875" in card
+    assert "| NVFP4 W4A16 | 4.5 | 4 | 1,536 |" in card and "| FP8 W8A8 | 8 | 2 | 768 |" in card
+    assert "Tensors: 2,700; tensor payload: 12,345,678 bytes in 2 safetensors shard(s)" in card
+    assert "lists 6 quantized modules" in card
+    assert "41.23% below `uniform-nvfp4` [36.23%, 46.23%]" in card  # searched, BF16 KV
+    assert "33.51% below `uniform-nvfp4`" in card  # searched, FP8 KV
+    assert "| 3 | FP8 W8A8 | 0.003 | 0.0003 |" in card  # per-layer row: format and both scores
+    for _, _, sha in HASHES.values():
+        assert f"`{sha}`" in card
+    assert f"`{'b' * 64}`" in card and f"`{'a' * 64}`" in card  # checkpoint and model keys
+    # another input, another card: nothing is typed in by hand
+    other = dataclasses.replace(inputs, inspection={**inputs.inspection, "routed_effective_bits": 5.9468})
+    changed = model_card(other)
+    assert "Routed-expert effective bits: 5.9468" in changed and "effective bits: 7.1875" not in changed
+    assert parse_front_matter(changed)["quantization"]["routed_effective_bits"] == 5.9468
+    assert model_card(inputs) == card  # deterministic
+
+
+def test_published_hashes_are_compared_and_a_failed_verdict_is_stated():
+    inputs = _inputs()
+    recipe = dict(inputs.recipe, published={"quant_config": "3" * 64, "safetensors_index": "f" * 64})
+    card = model_card(dataclasses.replace(inputs, recipe=recipe, verdict={"passed": False, "verdicts": []}))
+    assert f"`{'3' * 64}` (= published)" in card and f"`{'4' * 64}` (≠ published)" in card
+    assert "KLD gates: FAILED" in card
+    assert (
+        "Published hashes: 1 of 2 pinned in the recipe match this release (differing: safetensors_index)."
+        in card
+    )
+
+
+def test_explicit_placement_card_has_no_search_numbers():
+    inputs = dataclasses.replace(_inputs(), placement_audit=None)
+    card = model_card(inputs)
+    assert "placement was given explicitly" in card and "KL/token if" not in card
+    assert "| 3 | FP8 W8A8 |" in card
+
+
+def test_front_matter_must_be_there():
+    with pytest.raises(ValueError, match="no YAML front matter"):
+        parse_front_matter("# title\n")
+    with pytest.raises(ValueError, match="not closed"):
+        parse_front_matter("---\nlicense: other\n")

@@ -1,0 +1,180 @@
+"""Stage entry point for assemble_release: the release directory users download.
+
+Layout (a Hugging Face model repository)::
+
+    model-0000k-of-0000N.safetensors, model.safetensors.index.json, config.json,
+    hf_quant_config.json, tokenizer files, ...   the checkpoint (hardlinked from export_checkpoint)
+    checkpoint_audit.json                         the export's audit (inspection vs prediction)
+    placement_audit.json                          solve_placement's audit (with a search)
+    quantization_recipe.yaml                      the resolved config + the placement: replays the build
+    kld/<candidate>.<kv dtype>.json               gate_kld's aggregate per candidate x KV-cache dtype
+    README.md                                     the model card (mixquant.release.card)
+
+Checkpoint files are hardlinked where the file system allows (the keyed directories are immutable, so
+sharing inodes is safe and a 92 GB checkpoint is not copied), else copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mixquant.jsonio import read_json
+from mixquant.keys.hashing import require_sha256_hex
+from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir
+
+log = logging.getLogger(__name__)
+
+CARD_FILE = "README.md"
+KLD_DIR = "kld"
+CHECKPOINT_AUDIT = "checkpoint_audit.json"
+PLACEMENT_AUDIT = "placement_audit.json"
+AGGREGATE_JSON = "aggregate.json"
+VERDICT_JSON = "verdict.json"
+_SKIPPED = {MANIFEST, SNAKEMAKE_TIMESTAMP}
+
+
+class ReleaseInputError(RuntimeError):
+    """An upstream output the release needs is missing or inconsistent (one line naming it)."""
+
+
+def _keyed_dir(path: str | Path, what: str) -> Path:
+    directory = Path(path)
+    require_sha256_hex(directory.name, f"{what} directory {directory}")
+    if not (directory / MANIFEST).is_file():
+        raise ReleaseInputError(f"{what} {directory}: not a finished mixquant output (no {MANIFEST})")
+    return directory
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """Hardlink `source` to `target` (same file system), else copy it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def checkpoint_files(checkpoint: Path) -> list[Path]:
+    """The export's files, relative paths, without mixquant's manifest and Snakemake's timestamp."""
+    return sorted(
+        p.relative_to(checkpoint)
+        for p in checkpoint.rglob("*")
+        if p.is_file() and p.relative_to(checkpoint).as_posix() not in _SKIPPED
+    )
+
+
+def gate_file_name(candidate: str, kv: str) -> str:
+    return f"{KLD_DIR}/{candidate}.{kv}.json"
+
+
+def run_assemble_release(
+    out_dir: str | Path,
+    *,
+    model: str | Path,
+    checkpoint: str | Path,
+    prompt: str | Path,
+    reference: str | Path,
+    verdict: str | Path,
+    placement: str | Path | None = None,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
+    **gates: str | Path,
+) -> Path:
+    """Assemble the release directory from the keyed outputs (``gates``: gate_<candidate>_<kv> -> dir)."""
+    from mixquant.release.card import CardInputs, model_card
+    from mixquant.release.hashes import release_hashes
+    from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
+
+    recipe = settings["recipe"]
+    checkpoint_dir = _keyed_dir(checkpoint, "export_checkpoint")
+    verdict_doc = read_json(
+        _keyed_dir(verdict, "check_kld_gates") / VERDICT_JSON, "KLD verdict", error=ReleaseInputError
+    )
+    if not verdict_doc.get("passed"):
+        raise ReleaseInputError(f"check_kld_gates {Path(verdict).name}: the KLD gates did not pass")
+    audit = read_json(checkpoint_dir / CHECKPOINT_AUDIT, "checkpoint audit", error=ReleaseInputError)
+    if not all(audit["agreement"].values()):
+        raise ReleaseInputError(
+            f"export_checkpoint {checkpoint_dir.name}: audit disagrees {audit['agreement']}"
+        )
+    placement_audit = None
+    if placement is not None:
+        placement_audit = read_json(
+            _keyed_dir(placement, "solve_placement") / PLACEMENT_AUDIT,
+            "placement audit",
+            error=ReleaseInputError,
+        )
+    gate_docs = []
+    for candidate in recipe["kld"]["candidates"]:
+        for kv in recipe["kld"]["kv_cache_dtypes"]:
+            role = f"gate_{candidate['name']}_{kv}"
+            if role not in gates:
+                raise ReleaseInputError(f"assemble_release: no gate_kld input for {candidate['name']} / {kv}")
+            gate_docs.append(
+                (
+                    role,
+                    read_json(
+                        _keyed_dir(gates[role], "gate_kld") / AGGREGATE_JSON,
+                        "KLD aggregate",
+                        error=ReleaseInputError,
+                    ),
+                )
+            )
+    unknown = sorted(set(gates) - {role for role, _ in gate_docs})
+    if unknown:
+        raise ReleaseInputError(f"assemble_release: unexpected input {unknown[0]!r}")
+    hashes = release_hashes(
+        _keyed_dir(prompt, "pin_prompt"), _keyed_dir(reference, "reference_logits"), checkpoint_dir
+    )
+    hf_quant_config = read_json(
+        checkpoint_dir / "hf_quant_config.json", "hf_quant_config.json", error=ReleaseInputError
+    )
+    model_config = read_json(checkpoint_dir / "config.json", "config.json", error=ReleaseInputError)
+    upstream_keys = preimage["upstream"]
+
+    files = [p.as_posix() for p in checkpoint_files(checkpoint_dir)]
+    extra = [RECIPE_FILE] + ([PLACEMENT_AUDIT] if placement_audit is not None else [])
+    extra += [gate_file_name(doc["candidate"], doc["kv_cache_dtype"]) for _, doc in gate_docs]
+    inputs = CardInputs(
+        recipe=recipe,
+        inspection=audit["inspection"],
+        hf_quant_config=hf_quant_config,
+        gates=[doc for _, doc in gate_docs],
+        hashes={name: record.to_json() for name, record in hashes.items()},
+        keys=upstream_keys,
+        producer=audit["producer"],
+        verdict=verdict_doc,
+        placement_audit=placement_audit,
+        model_type=model_config.get("model_type"),
+        files=sorted(files + extra),
+    )
+    card = model_card(inputs)
+    header = [
+        "mixquant quantization recipe: the resolved settings of this release, with the placement the",
+        "search chose written down (placement.source: explicit). Rebuild the checkpoint from it alone:",
+        "  snakemake --cores all --configfile quantization_recipe.yaml",
+        f"Checkpoint key: {upstream_keys['checkpoint']}",
+    ]
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+        for relative in checkpoint_files(checkpoint_dir):
+            link_or_copy(checkpoint_dir / relative, tmp / relative)
+        (tmp / RECIPE_FILE).write_text(recipe_yaml(recipe, header), encoding="utf-8")
+        if placement_audit is not None:
+            shutil.copyfile(Path(placement) / PLACEMENT_AUDIT, tmp / PLACEMENT_AUDIT)
+        for role, doc in gate_docs:
+            target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(gates[role]) / AGGREGATE_JSON, target)
+        (tmp / CARD_FILE).write_text(card, encoding="utf-8")
+        summary.update(
+            hashes={name: record.sha256 for name, record in hashes.items()},
+            placement_counts=audit["inspection"]["placement_counts"],
+            routed_effective_bits=audit["inspection"]["routed_effective_bits"],
+        )
+    log.info("release assembled: %s", out_dir)
+    return Path(out_dir)

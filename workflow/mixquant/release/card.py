@@ -1,0 +1,442 @@
+"""The release's model card (README.md): Hugging Face YAML front matter and the sections of a quantized
+release -- precision placement, KLD table, provenance and hashes, vLLM serving, status and limitations.
+
+Every number comes from an input: the checkpoint audit's inspection (counts, effective bits, tensors,
+bytes), the placement audit (per-layer scores, budget), the gate aggregates (KLD and the reduction vs the
+baseline), the re-derived hashes and the recipe (settings). Nothing is typed in by hand, so the card of
+a rerun is byte-identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+FORMAT_LABELS = {"nvfp4_w4a16": "NVFP4 W4A16", "fp8": "FP8 W8A8", "bf16": "BF16"}
+FORMAT_BITS = {"nvfp4_w4a16": 4.5, "fp8": 8.0, "bf16": 16.0}
+HASH_LABELS = {
+    "prompt_token_ids": "prompt token IDs",
+    "reference_logits": "BF16 reference logits",
+    "quant_config": "quant config (hf_quant_config.json)",
+    "safetensors_index": "safetensors index (model.safetensors.index.json)",
+}
+# vLLM's --kv-cache-dtype for our KV dtypes: always explicit ("auto" would adopt the checkpoint's FP8 KV
+# scales, REFERENCE.md "KLD and serving"); the same mapping the vllm engine pins.
+VLLM_KV_CACHE_DTYPES = {"bfloat16": "bfloat16", "fp8": "fp8"}
+
+
+@dataclass(frozen=True)
+class CardInputs:
+    """What the card is made from (all plain data read from the upstream outputs)."""
+
+    recipe: Mapping[str, Any]  # mixquant.release.recipe.recipe_document
+    inspection: Mapping[str, Any]  # checkpoint_audit.json "inspection"
+    hf_quant_config: Mapping[str, Any]
+    gates: Sequence[Mapping[str, Any]]  # gate_kld aggregate.json documents
+    hashes: Mapping[str, Mapping[str, Any]]  # release_hashes(...)[name].to_json()
+    keys: Mapping[str, str]  # artifact role -> key (model, checkpoint, placement, release inputs)
+    producer: Mapping[str, Any]  # export producer: mixquant and ModelOpt versions
+    verdict: Mapping[str, Any]  # check_kld_gates verdict.json
+    placement_audit: Mapping[str, Any] | None = None  # solve_placement's audit (search only)
+    model_type: str | None = None  # config.json model_type
+    files: Sequence[str] = ()  # the bundle's files (besides README.md)
+
+
+# ------------------------------------------------------------------------------------------ naming
+
+
+def source_model(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """{"kind", "repo", "revision", "text"} of the BF16 source model the recipe names."""
+    model = recipe["model"]
+    if model["source"] == "hub":
+        hub = model["hub"]
+        return {
+            "kind": "hub",
+            "repo": hub["repo"],
+            "revision": hub["revision"],
+            "text": f"`{hub['repo']}` at revision `{hub['revision']}`",
+        }
+    if model["source"] == "local":
+        return {
+            "kind": "local",
+            "repo": None,
+            "revision": None,
+            "text": "a local model directory identified by the content hashes of its files",
+        }
+    return {
+        "kind": "toy",
+        "repo": None,
+        "revision": None,
+        "text": "the embedded toy Laguna, built and trained by the workflow (`build_toy_model`)",
+    }
+
+
+def release_name(recipe: Mapping[str, Any], counts: Mapping[str, int]) -> str:
+    """``release.name`` or '<source>-MixQuant-<n>xNVFP4-<n>xFP8-<n>xBF16'."""
+    if recipe["release"].get("name"):
+        return str(recipe["release"]["name"])
+    source = source_model(recipe)
+    base = source["repo"].split("/")[-1] if source["repo"] else f"{source['kind']}-laguna"
+    mix = "-".join(f"{counts[fmt]}x{FORMAT_LABELS[fmt].split()[0]}" for fmt in FORMAT_BITS if counts.get(fmt))
+    return f"{base}-MixQuant-{mix}"
+
+
+# ------------------------------------------------------------------------------------- front matter
+
+
+def front_matter(inputs: CardInputs, name: str) -> dict[str, Any]:
+    """Hugging Face model card metadata (base_model, license, tags, library_name) plus quantization facts."""
+    recipe, inspection = inputs.recipe, inputs.inspection
+    source = source_model(recipe)
+    counts = {fmt: int(n) for fmt, n in inspection["placement_counts"].items()}
+    quantization = inputs.hf_quant_config.get("quantization", {})
+    meta: dict[str, Any] = {}
+    if source["repo"]:
+        meta["base_model"] = source["repo"]
+        meta["base_model_relation"] = "quantized"
+    release = recipe["release"]
+    meta["license"] = release["license"]
+    if release.get("license_name"):
+        meta["license_name"] = release["license_name"]
+    if release.get("license_link"):
+        meta["license_link"] = release["license_link"]
+    meta["library_name"] = "transformers"
+    tags = ["mixquant", "modelopt", "quantized", "mixed-precision", "moe"]
+    tags += [tag for fmt, tag in (("nvfp4_w4a16", "nvfp4"), ("fp8", "fp8")) if counts.get(fmt)]
+    if inputs.model_type:
+        tags.append(str(inputs.model_type))
+    meta["tags"] = tags
+    meta["pipeline_tag"] = "text-generation"
+    meta["quantization"] = {
+        "tool": "mixquant",
+        "format": "modelopt",
+        "quant_algo": quantization.get("quant_algo"),
+        "kv_cache_quant_algo": quantization.get("kv_cache_quant_algo"),
+        "routed_expert_layers": {fmt: counts.get(fmt, 0) for fmt in FORMAT_BITS},
+        "routed_effective_bits": _round(inspection["routed_effective_bits"], 4),
+        "non_routed_precision": "bf16",
+        "modelopt_version": _modelopt_version(inputs.producer),
+        "mixquant_version": inputs.producer.get("version"),
+    }
+    meta["model_name"] = name
+    return meta
+
+
+def _modelopt_version(producer: Mapping[str, Any]) -> str | None:
+    return (producer.get("numerics") or {}).get("version")
+
+
+def _round(value: Any, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+# ----------------------------------------------------------------------------------------- sections
+
+
+def _placement_section(inputs: CardInputs) -> list[str]:
+    inspection = inputs.inspection
+    counts = {fmt: int(n) for fmt, n in inspection["placement_counts"].items()}
+    moe_layers = sum(counts.values())
+    bits = inspection["routed_effective_bits"]
+    lines = ["## Precision placement", ""]
+    lines.append(
+        f"Routed experts of the {moe_layers} MoE layers, one format per layer; everything else (attention, "
+        "shared experts, routers, embeddings, dense layers, norms, lm_head) stays BF16 — "
+        f"`hf_quant_config.json` lists {len(_quantized_layers(inputs))} quantized modules, all of them "
+        "routed experts."
+    )
+    lines += ["", "| format | bits / weight | MoE layers | routed tensors |", "|:---|---:|---:|---:|"]
+    routed_tensors = inspection["tensors"]["routed"]
+    for fmt in FORMAT_BITS:
+        lines.append(
+            f"| {FORMAT_LABELS[fmt]} | {FORMAT_BITS[fmt]:g} | {counts.get(fmt, 0)} | "
+            f"{int(routed_tensors.get(fmt, 0)):,} |"
+        )
+    terms = " + ".join(f"{counts.get(f, 0)}×{FORMAT_BITS[f]:g}" for f in FORMAT_BITS)
+    lines += [
+        "",
+        f"**Routed-expert effective bits: {bits:.4f}** (numel-weighted; NVFP4 counts 4.5 bits: 4 + one E4M3 "
+        f"scale per 16 weights; with equal layers: ({terms}) / {moe_layers}).",
+        f"Tensors: {int(inspection['tensors']['total']):,}; tensor payload: "
+        f"{int(inspection['payload_bytes']):,} bytes in {len(inspection['shards'])} safetensors shard(s).",
+    ]
+    audit = inputs.placement_audit
+    if audit is not None:
+        budget = audit["budget"]
+        lines += [
+            "",
+            f"Chosen by mixquant's KL-sensitivity search (`{audit['method']}`, cost model "
+            f"`{budget['cost_model']}`): target {budget['target_effective_bits']:g} effective bits, reached "
+            f"{budget['effective_bits']:.4f}; predicted summed KL per token {audit['objective']:.6g}. "
+            "Scores are KL(BF16 ‖ only that layer's routed experts quantized) per calibration token.",
+        ]
+    else:
+        lines += ["", "The placement was given explicitly in the config (`placement.source: explicit`)."]
+    lines += ["", *_layer_table(inputs)]
+    return lines
+
+
+def _quantized_layers(inputs: CardInputs) -> dict[str, Any]:
+    return dict((inputs.hf_quant_config.get("quantization") or {}).get("quantized_layers") or {})
+
+
+def _layer_table(inputs: CardInputs) -> list[str]:
+    layer_formats = {int(layer): fmt for layer, fmt in inputs.inspection["layer_formats"].items()}
+    scores: dict[int, Mapping[str, float]] = {}
+    if inputs.placement_audit is not None:
+        scores = {int(g["layer"]): g["scores"] for g in inputs.placement_audit["groups"]}
+    scored = [fmt for fmt in ("nvfp4_w4a16", "fp8") if any(fmt in s for s in scores.values())]
+    header = "| layer | format |" + "".join(f" KL/token if {FORMAT_LABELS[f]} |" for f in scored)
+    lines = [header, "|---:|:---|" + "---:|" * len(scored)]
+    for layer in sorted(layer_formats):
+        cells = [str(layer), FORMAT_LABELS.get(layer_formats[layer], layer_formats[layer])]
+        for fmt in scored:
+            value = scores.get(layer, {}).get(fmt)
+            cells.append("—" if value is None else f"{float(value):.4g}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def released_candidates(recipe: Mapping[str, Any]) -> list[str]:
+    """KLD candidates that are this checkpoint (source ``searched``: the placement the recipe pins)."""
+    return [c["name"] for c in recipe["kld"]["candidates"] if c["source"] == "searched"]
+
+
+def _kld_section(inputs: CardInputs) -> list[str]:
+    from mixquant.kld.report import comparison_table, table_markdown
+
+    kld = inputs.recipe["kld"]
+    rows = [
+        {
+            "candidate": g["candidate"],
+            "kv_cache_dtype": g["kv_cache_dtype"],
+            "aggregate": g["aggregate"],
+            "improvement": g["improvement"],
+            "gates": g["verdict"] if g["verdict"]["checks"] else None,
+        }
+        for g in inputs.gates
+    ]
+    released = released_candidates(inputs.recipe)
+    baseline = kld["baseline"]
+    lines = ["## KL divergence vs BF16", ""]
+    lines.append(
+        f"KL(BF16 ‖ candidate) over the full vocabulary at each of the pinned prompt's "
+        f"{inputs.recipe['prompt']['seq_len'] - 1:,} positions; {kld['runs']} fresh-engine runs per "
+        f"candidate and KV-cache dtype on the `{kld['engine']}` engine (tensor parallel "
+        f"{kld['tensor_parallel_size']}, {kld['dtype']}, eager, seed {kld['seed']}, no prefix cache)."
+        + (
+            f" Reduction: mean KLD relative to the baseline `{baseline}`, with a paired bootstrap "
+            f"{kld['gates']['confidence']:.0%} interval."
+            if baseline
+            else ""
+        )
+    )
+    highlights = []
+    for name in released:
+        for g in inputs.gates:
+            if g["candidate"] != name or not g["improvement"]:
+                continue
+            imp = g["improvement"]
+            highlights += [
+                f"- **{name}** (this checkpoint), {g['kv_cache_dtype']} KV cache: mean KLD "
+                f"{g['aggregate']['mean_kld']:.6g}, {_pct(imp['reduction'])} below `{baseline}` "
+                f"[{_pct(imp['ci_low'])}, {_pct(imp['ci_high'])}]",
+            ]
+    if highlights:
+        lines += ["", *highlights]
+    lines += ["", table_markdown(comparison_table(rows)).rstrip("\n")]
+    return lines
+
+
+def _pct(value: float) -> str:
+    return "—" if value is None or math.isnan(float(value)) else f"{100.0 * float(value):.2f}%"
+
+
+def _provenance_section(inputs: CardInputs) -> list[str]:
+    recipe = inputs.recipe
+    source = source_model(recipe)
+    producer = inputs.producer
+    lines = ["## Provenance", ""]
+    lines.append(f"- Source model: {source['text']} (mixquant key `{inputs.keys['model']}`).")
+    tokenizer = recipe["tokenizer"]
+    if tokenizer["source"] == "hub":
+        lines.append(
+            f"- Tokenizer: `{tokenizer['hub']['repo']}` at revision `{tokenizer['hub']['revision']}`."
+        )
+    calibration = recipe["calibration"]
+    lines.append(
+        f"- Calibration: {calibration['num_samples']} samples × {calibration['seq_len']} tokens "
+        f"(seed {calibration['seed']}) from {_dataset_text(recipe['dataset'])}."
+    )
+    quantize = recipe["quantize"]
+    lines.append(
+        f"- Numerics: NVFP4 W4A16 block scales `{quantize['nvfp4_w4a16']['calibration']}`, FP8 weight scales "
+        f"`{quantize['fp8']['weight_calibration']}` with static input scales from activation statistics; "
+        "bit-identical to ModelOpt's own `mtq.quantize` + `export_hf_checkpoint`."
+    )
+    lines.append(
+        f"- Produced by mixquant {producer.get('version')} with ModelOpt (nvidia-modelopt) "
+        f"{_modelopt_version(producer)} numerics; checkpoint key `{inputs.keys['checkpoint']}` "
+        "(its manifest.json holds the full key preimage: settings, upstream keys, code identity, package "
+        "versions)."
+    )
+    if recipe["placement"].get("recipe"):
+        lines.append(f"- Placement settings mirror the ModelOpt recipe `{recipe['placement']['recipe']}`.")
+    lines.append(
+        "- `quantization_recipe.yaml` reproduces this checkpoint: "
+        "`snakemake --configfile quantization_recipe.yaml` plans the same keys and rebuilds the same files."
+    )
+    lines += ["", "SHA-256 (re-derived from the workflow's outputs, as `mixquant verify` does):", ""]
+    lines += ["| what | SHA-256 | file | encoding |", "|:---|:---|:---|:---|"]
+    published = recipe.get("published") or {}
+    for name, record in inputs.hashes.items():
+        pinned = published.get(name)
+        note = (
+            "" if pinned is None else (" (= published)" if pinned == record["sha256"] else " (≠ published)")
+        )
+        lines.append(
+            f"| {HASH_LABELS.get(name, name)} | `{record['sha256']}`{note} | "
+            f"{record['artifact']['stage']}/{record['artifact']['file']} | {record['encoding']} |"
+        )
+    return lines
+
+
+def _dataset_text(dataset: Mapping[str, Any]) -> str:
+    if dataset["source"] == "local":
+        return f"`{dataset['local']['path']}` (SHA-256 `{dataset['local']['sha256'][:16]}…`)"
+    members = [
+        f"`{m['repo']}`" + (f"@`{m['revision'][:12]}`" if m.get("revision") else " (unpinned)")
+        for m in dataset["hub"]
+    ]
+    return ", ".join(members)
+
+
+def serve_commands(recipe: Mapping[str, Any], model_id: str) -> list[str]:
+    """``vllm serve`` with every numerics-deciding flag pinned, one per gated KV-cache dtype.
+
+    No ``--quantization``: vLLM detects ModelOpt checkpoints from hf_quant_config.json / config.json's
+    quantization_config (the KLD engine loads them the same way); ``--kv-cache-dtype`` is always explicit.
+    """
+    kld = recipe["kld"]
+    commands = []
+    for kv in kld["kv_cache_dtypes"]:
+        flags = [
+            f"--tensor-parallel-size {kld['tensor_parallel_size']}",
+            f"--dtype {kld['dtype']}",
+            f"--kv-cache-dtype {VLLM_KV_CACHE_DTYPES[kv]}",
+        ]
+        if kld.get("max_model_len"):
+            flags.append(f"--max-model-len {kld['max_model_len']}")
+        commands.append(f"vllm serve {model_id} \\\n    " + " \\\n    ".join(flags))
+    return commands
+
+
+def _serving_section(inputs: CardInputs, name: str) -> list[str]:
+    counts = inputs.inspection["placement_counts"]
+    lines = ["## Serving with vLLM", ""]
+    lines.append(
+        "vLLM reads ModelOpt `MIXED_PRECISION` checkpoints from `hf_quant_config.json` (NVFP4 W4A16 experts "
+        "via Marlin; layers the file does not list load as BF16), so no `--quantization` flag is needed. "
+        "Always pass `--kv-cache-dtype`: `auto` follows the checkpoint and would silently change the KV "
+        "cache."
+    )
+    for kv, command in zip(
+        inputs.recipe["kld"]["kv_cache_dtypes"], serve_commands(inputs.recipe, name), strict=True
+    ):
+        lines += ["", f"{kv} KV cache (as gated above):", "", "```bash", command, "```"]
+    if counts.get("fp8"):
+        lines += [
+            "",
+            "Some vLLM versions reject FP8 MoE layers under the B12X (SM120/121) W4A16 expert path; "
+            "serve on a backend that accepts FP8 experts.",
+        ]
+    return lines
+
+
+def _status_section(inputs: CardInputs) -> list[str]:
+    recipe = inputs.recipe
+    verdict = inputs.verdict
+    checked = len(verdict.get("verdicts", []))
+    lines = ["## Status and limitations", ""]
+    lines.append(
+        f"- KLD gates: {'all passed' if verdict.get('passed') else 'FAILED'} ({checked} candidate × KV "
+        "checks, `check_kld_gates`)."
+    )
+    if recipe["kld"]["engine"] == "hf":
+        lines.append(
+            "- KLD was measured with the `hf` engine (transformers, dequantizing loader; FP8 KV emulated by "
+            "dynamic per-tensor FP8 of K and V), not vLLM: served numerics can differ."
+        )
+    if recipe["export"]["kv_cache_quant"] is None:
+        lines.append("- The checkpoint carries no KV-cache scales (`kv_cache_quant_algo` null).")
+    if source_model(recipe)["kind"] == "toy":
+        lines.append(
+            "- This is the embedded toy model: a tiny Laguna trained for minutes to exercise the workflow. "
+            "It is not a useful language model."
+        )
+    published = {k: v for k, v in (recipe.get("published") or {}).items() if v}
+    if not published:
+        lines.append("- No published hashes are pinned in the recipe (`published`): nothing to compare with.")
+    else:
+        matching = [
+            name for name, sha in published.items() if inputs.hashes.get(name, {}).get("sha256") == sha
+        ]
+        lines.append(
+            f"- Published hashes: {len(matching)} of {len(published)} pinned in the recipe match this release"
+            + (
+                "."
+                if len(matching) == len(published)
+                else f" (differing: {', '.join(sorted(set(published) - set(matching)))})."
+            )
+        )
+    lines.append("- The KLD protocol is one pinned prompt; it is not a task benchmark.")
+    return lines
+
+
+def _files_section(inputs: CardInputs) -> list[str]:
+    lines = ["## Files", ""]
+    lines += [f"- `{name}`" for name in inputs.files]
+    return lines
+
+
+def model_card(inputs: CardInputs) -> str:
+    """README.md text: ``---`` YAML front matter ``---`` and the Markdown sections."""
+    counts = {fmt: int(n) for fmt, n in inputs.inspection["placement_counts"].items()}
+    name = release_name(inputs.recipe, counts)
+    meta = front_matter(inputs, name)
+    source = source_model(inputs.recipe)
+    mix = ", ".join(f"{counts.get(f, 0)} {FORMAT_LABELS[f]}" for f in FORMAT_BITS)
+    intro = (
+        f"Mixed-precision ModelOpt checkpoint of {source['text']}: routed experts per MoE layer "
+        f"{mix} ({inputs.inspection['routed_effective_bits']:.4f} effective bits), everything else BF16. "
+        "Made by mixquant's Snakemake workflow, KL-gated against the BF16 model."
+    )
+    sections = [
+        [f"# {name}", "", intro],
+        _placement_section(inputs),
+        _kld_section(inputs),
+        _serving_section(inputs, name),
+        _provenance_section(inputs),
+        _status_section(inputs),
+        _files_section(inputs),
+    ]
+    body = "\n\n".join("\n".join(section) for section in sections)
+    head = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=100)
+    return f"---\n{head}---\n\n{body}\n"
+
+
+def parse_front_matter(text: str) -> dict[str, Any]:
+    """The YAML front matter of a model card (between the opening and closing ``---`` lines)."""
+    if not text.startswith("---\n"):
+        raise ValueError("model card: no YAML front matter (must open with '---')")
+    end = text.find("\n---\n", 4)
+    if end < 0:
+        raise ValueError("model card: front matter is not closed by '---'")
+    meta = yaml.safe_load(text[4 : end + 1])
+    if not isinstance(meta, dict):
+        raise ValueError("model card: front matter is not a mapping")
+    return meta

@@ -1,0 +1,147 @@
+"""The release's four SHA-256 values, re-derived from the workflow's keyed artifacts.
+
+Each value comes from one file of one keyed output directory and one encoding, both recorded:
+
+* ``prompt_token_ids`` -- ``pin_prompt``'s ``prompt.safetensors``: the token IDs through
+  :func:`mixquant.calibration.tokens.token_ids_sha256` (the function pin_prompt pins with).
+* ``reference_logits`` -- ``reference_logits``' ``logits.safetensors``: the float32 logits through
+  :func:`mixquant.kld.run.logits_sha256` (the function the stage recorded its hash with).
+* ``quant_config`` -- ``export_checkpoint``'s ``hf_quant_config.json``: the file's bytes.
+* ``safetensors_index`` -- ``export_checkpoint``'s ``model.safetensors.index.json``: the file's bytes.
+
+The two tensor hashes are recomputed from the tensors, never copied from the stage's own record; a
+record that disagrees with its file is an error (the artifact changed after it was written).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mixquant.keys.hashing import file_sha256, require_sha256_hex
+
+# The order of PublishedHashes' fields (config ``published``), which is also the report's order.
+HASH_NAMES = ("prompt_token_ids", "reference_logits", "quant_config", "safetensors_index")
+
+PROMPT_FILE = "prompt.safetensors"
+LOGITS_FILE = "logits.safetensors"
+REFERENCE_JSON = "reference.json"
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+PROMPT_ENCODING = "token_ids_sha256: token IDs as int32 little-endian, row-major, no header"
+LOGITS_ENCODING = "logits_sha256: float32 little-endian IEEE-754, row-major [T-1, V], no header"
+FILE_ENCODING = "the file's bytes as written"
+
+# Which stage writes which hash's file (verify names the stage to run when one is missing).
+HASH_STAGES = {
+    "prompt_token_ids": ("pin_prompt", PROMPT_FILE),
+    "reference_logits": ("reference_logits", LOGITS_FILE),
+    "quant_config": ("export_checkpoint", QUANT_CONFIG_FILE),
+    "safetensors_index": ("export_checkpoint", INDEX_FILE),
+}
+
+
+class HashSourceError(RuntimeError):
+    """An artifact a hash is computed from is missing or inconsistent (one line naming it)."""
+
+
+@dataclass(frozen=True)
+class ArtifactFile:
+    """One file of a keyed output: results/<stage>/<key>/<file>."""
+
+    stage: str
+    key: str
+    file: str
+    path: Path
+
+    def to_json(self) -> dict[str, str]:
+        return {"stage": self.stage, "key": self.key, "file": self.file, "path": str(self.path)}
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class HashRecord:
+    """One re-derived hash: its name (a ``published`` field), value, source file and encoding."""
+
+    name: str
+    sha256: str
+    artifact: ArtifactFile
+    encoding: str
+
+    def to_json(self) -> dict[str, Any]:
+        artifact = self.artifact.to_json()
+        return {"name": self.name, "sha256": self.sha256, "artifact": artifact, "encoding": self.encoding}
+
+
+def artifact_file(directory: str | Path, file: str, stage: str) -> ArtifactFile:
+    """The file `file` of the keyed directory `directory` (results/<stage>/<key>), checked to exist."""
+    directory = Path(directory)
+    key = require_sha256_hex(directory.name, f"{stage} directory {directory}")
+    path = directory / file
+    if not path.is_file():
+        raise HashSourceError(f"{stage} {key}: {file} not found in {directory}")
+    return ArtifactFile(stage, key, file, path)
+
+
+def prompt_token_ids_hash(prompt_dir: str | Path) -> HashRecord:
+    from mixquant.calibration.tokens import load_token_ids, token_ids_sha256
+
+    source = artifact_file(prompt_dir, PROMPT_FILE, "pin_prompt")
+    sha = token_ids_sha256(load_token_ids(source.path))
+    return HashRecord("prompt_token_ids", sha, source, PROMPT_ENCODING)
+
+
+def reference_logits_hash(reference_dir: str | Path) -> HashRecord:
+    from safetensors import safe_open
+
+    from mixquant.kld.run import logits_sha256
+
+    source = artifact_file(reference_dir, LOGITS_FILE, "reference_logits")
+    with safe_open(str(source.path), framework="pt") as handle:
+        if "logits" not in handle.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
+            raise HashSourceError(f"reference_logits {source.key}: {LOGITS_FILE} has no 'logits' tensor")
+        sha = logits_sha256(handle.get_tensor("logits"))
+    record_path = Path(reference_dir) / REFERENCE_JSON
+    if record_path.is_file():
+        recorded = json.loads(record_path.read_text("utf-8")).get("sha256")
+        if recorded is not None and recorded != sha:
+            raise HashSourceError(
+                f"reference_logits {source.key}: {LOGITS_FILE} hashes to {sha} but {REFERENCE_JSON} "
+                f"records {recorded} (the artifact changed after it was written)"
+            )
+    return HashRecord("reference_logits", sha, source, LOGITS_ENCODING)
+
+
+def _file_hash(name: str, checkpoint_dir: str | Path, file: str) -> HashRecord:
+    source = artifact_file(checkpoint_dir, file, "export_checkpoint")
+    return HashRecord(name, file_sha256(source.path), source, f"{FILE_ENCODING} ({file})")
+
+
+def quant_config_hash(checkpoint_dir: str | Path) -> HashRecord:
+    return _file_hash("quant_config", checkpoint_dir, QUANT_CONFIG_FILE)
+
+
+def safetensors_index_hash(checkpoint_dir: str | Path) -> HashRecord:
+    return _file_hash("safetensors_index", checkpoint_dir, INDEX_FILE)
+
+
+def release_hashes(
+    prompt_dir: str | Path, reference_dir: str | Path, checkpoint_dir: str | Path
+) -> dict[str, HashRecord]:
+    """{name: HashRecord} of the four published hashes, in :data:`HASH_NAMES` order.
+
+    `prompt_dir`, `reference_dir` and `checkpoint_dir` are keyed output directories of pin_prompt,
+    reference_logits and export_checkpoint. A missing file raises :class:`HashSourceError`.
+    """
+    records = (
+        prompt_token_ids_hash(prompt_dir),
+        reference_logits_hash(reference_dir),
+        quant_config_hash(checkpoint_dir),
+        safetensors_index_hash(checkpoint_dir),
+    )
+    return {record.name: record for record in records}

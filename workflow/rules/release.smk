@@ -1,0 +1,25 @@
+# The release bundle: the checkpoint, quantization_recipe.yaml (replays the build), the placement and
+# checkpoint audits, the KLD aggregates and the model card -- assembled only after the KLD gates pass.
+
+
+rule assemble_release:
+    input:
+        unpack(keyed_inputs),
+    output:
+        release=directory(f"{CFG.results_dir}/assemble_release/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/assemble_release/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/assemble_release/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/assemble_release.py"

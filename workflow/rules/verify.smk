@@ -1,0 +1,25 @@
+# The release's four SHA-256 values (prompt token IDs, reference logits, hf_quant_config.json, the
+# safetensors index) re-derived and compared with config `published`; a mismatch fails the workflow.
+
+
+rule verify_hashes:
+    input:
+        unpack(keyed_inputs),
+    output:
+        verify=directory(f"{CFG.results_dir}/verify_hashes/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/verify_hashes/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/verify_hashes/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: 1
+    resources:
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/verify_hashes.py"
