@@ -3,7 +3,8 @@
 import json
 from pathlib import Path
 
-from mixquant.cli import diff_values, main
+from mixquant.cli import main
+from mixquant.jsonio import diff_values
 
 REPO = Path(__file__).resolve().parents[1]
 LAGUNA = str(REPO / "data/models/laguna-s-2.1/config.json")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mixquant.config import ConfigError, MixquantConfig, load_config_file
+from mixquant.jsonio import diff_values
 from mixquant.keys.hashing import is_sha256_hex
 from mixquant.keys.manifest import ManifestError, read_manifest
 
@@ -59,27 +60,6 @@ def find_keyed_dir(ref: str, results_dir: str | Path) -> Path:
     if not matches:
         raise ValueError(f"no output directory with key {ref} under {results_dir}/")
     return matches[0]
-
-
-def diff_values(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    """Leaf-level differences between two JSON values as (dotted path, a, b)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in sorted(set(a) | set(b), key=str):
-            sub = f"{path}.{key}" if path else str(key)
-            if key not in a:
-                out.append((sub, "<absent>", b[key]))
-            elif key not in b:
-                out.append((sub, a[key], "<absent>"))
-            else:
-                out.extend(diff_values(a[key], b[key], sub))
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        out = []
-        for index, (left, right) in enumerate(zip(a, b, strict=True)):
-            out.extend(diff_values(left, right, f"{path}[{index}]"))
-        return out
-    return [] if a == b else [(path, a, b)]
 
 
 def explain(a_dir: Path, b_dir: Path, results_dir: str | Path, depth: int = 0) -> list[str]:

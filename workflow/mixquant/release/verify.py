@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixquant.jsonio import diff_values
 from mixquant.keys.hashing import is_sha256_hex, require_sha256_hex
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.release.hashes import (
@@ -205,7 +206,6 @@ def compare_reference_logits(
     import torch
     from safetensors.torch import load_file
 
-    from mixquant.cli import diff_values
     from mixquant.kld.stats import kld_statistics
 
     ours_dir = Path(ours_dir)
