@@ -101,6 +101,7 @@ from mixquant.model.layout import (
     shard_groups,
     write_json,
 )
+from mixquant.producer import default_producer
 from mixquant.quantize.layer import (
     AUDIT_FILE,
     LAYER_FILE,
@@ -202,30 +203,6 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, err
 
 class ExportInputError(QuantizeInputError):
     """Bad export input (source checkpoint, layer results, placement, options); one line naming it."""
-
-
-# ----------------------------------------------------------------------------------------- producer
-
-
-def default_producer() -> dict[str, Any]:
-    """``{"name": "mixquant", "version": ..., "numerics": {"name": "modelopt", "version": ...}}``.
-
-    The installed ModelOpt version is the one whose numerics :mod:`mixquant.quantize.layer` reproduces
-    (pinned to 0.47.* by the project).
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    import mixquant
-
-    try:
-        modelopt_version = version("nvidia-modelopt")
-    except PackageNotFoundError:  # pragma: no cover - modelopt is a hard dependency
-        modelopt_version = "unknown"
-    return {
-        "name": "mixquant",
-        "version": mixquant.__version__,
-        "numerics": {"name": "modelopt", "version": modelopt_version},
-    }
 
 
 # ----------------------------------------------------------------------------------------- safetensors

@@ -334,7 +334,7 @@ def _export_artifact(graph: _Graph, placed: dict[int, str], name: str = "checkpo
     The placement enters by content (layer -> format), not by the placement artifact's key: a budget
     change that lands on the same placement finds the same checkpoint.
     """
-    from mixquant.export.checkpoint import default_producer
+    from mixquant.producer import default_producer
 
     cfg = graph.cfg
     placement = {str(layer): fmt for layer, fmt in sorted(placed.items())}

@@ -55,14 +55,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mixquant.export.predict import DTYPE_BYTES
-from mixquant.formats.cpu_fake_quant import nvfp4_static_qdq
+from mixquant.export.predict import NVFP4_GROUP_SIZE as BLOCK_SIZE
 from mixquant.formats.fp8 import FP8_E4M3_MAX, fp8_export_tensors, fp8_max_amax, fp8_mse_weight_amax
-from mixquant.formats.nvfp4 import (
-    BLOCK_SIZE,
-    nvfp4_export_tensors,
-    shared_global_amax,
-    sweep_nvfp4_block_amax,
-)
 from mixquant.model.layout import CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, mlp_layer_types, natural_key
 
 from .reference import BF16, FP8, NVFP4
@@ -367,6 +361,8 @@ def nvfp4_mse_block_amax(
     from modelopt.torch.quantization.calib.mse import MseCalibrator
     from modelopt.torch.quantization.config import MseCalibConfig
 
+    from mixquant.formats.cpu_fake_quant import nvfp4_static_qdq
+
     cfg = MseCalibConfig()
     blocks = weight.detach().reshape(-1, BLOCK_SIZE)
     global_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=weight.device).reshape(())
@@ -393,6 +389,8 @@ def nvfp4_mse_block_amax(
 def nvfp4_block_amax(weight: torch.Tensor, global_amax: torch.Tensor, calibration: str) -> torch.Tensor:
     """Per-block fp32 amax ``[n_blocks, 1]`` of a static NVFP4 weight quantizer for ``calibration``."""
     if calibration == "fp8_sweep":
+        from mixquant.formats.nvfp4 import sweep_nvfp4_block_amax
+
         return sweep_nvfp4_block_amax(weight, global_amax)
     if calibration == "max":
         return weight.detach().reshape(-1, BLOCK_SIZE).abs().amax(dim=1, keepdim=True).to(torch.float32)
@@ -550,6 +548,9 @@ def _quantize_expert(
         for proj in PROJECTIONS:
             out[f"{_expert_prefix(layer, expert, proj)}.weight"] = weights[proj]
     elif fmt == NVFP4:
+        # ModelOpt's NVFP4 numerics (a heavy import: only where NVFP4 is quantized)
+        from mixquant.formats.nvfp4 import nvfp4_export_tensors, shared_global_amax
+
         g_gate_up = shared_global_amax(gate, up)  # one quantizer over the fused [2I, H] slice
         for proj, g in (("gate_proj", g_gate_up), ("up_proj", g_gate_up), ("down_proj", None)):
             w = weights[proj]

@@ -42,9 +42,6 @@ from typing import Any
 
 import torch
 
-from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
-from mixquant.formats.nvfp4 import nvfp4_w4a16_static_config
-
 __all__ = [
     "BF16",
     "FORMATS",
@@ -212,6 +209,8 @@ def modelopt_placement_quant_cfg(
     """
     import modelopt.torch.quantization as mtq
 
+    from mixquant.formats.nvfp4 import nvfp4_w4a16_static_config
+
     placement = _validate_placement(placement)
     plan = modelopt_calibration_plan(nvfp4_algorithm, fp8_weight_algorithm, set(placement.values()))
     nvfp4_weight = _preset_quantizer_cfg(nvfp4_w4a16_static_config("max"), "*weight_quantizer")
@@ -320,6 +319,8 @@ def modelopt_reference_export(
     import transformers
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import LagunaForCausalLM
+
+    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     placement = _validate_placement(placement)
