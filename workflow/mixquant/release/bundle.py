@@ -22,18 +22,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mixquant.export.inspect import QUANT_CONFIG_FILE
+from mixquant.export.run import AUDIT_FILE as CHECKPOINT_AUDIT
 from mixquant.jsonio import read_json
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir
+from mixquant.kld.run import AGGREGATE_JSON, VERDICT_JSON
+from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 
 log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 KLD_DIR = "kld"
-CHECKPOINT_AUDIT = "checkpoint_audit.json"
-PLACEMENT_AUDIT = "placement_audit.json"
-AGGREGATE_JSON = "aggregate.json"
-VERDICT_JSON = "verdict.json"
 _SKIPPED = {MANIFEST, SNAKEMAKE_TIMESTAMP}
 
 
@@ -131,7 +131,7 @@ def run_assemble_release(
         _keyed_dir(prompt, "pin_prompt"), _keyed_dir(reference, "reference_logits"), checkpoint_dir
     )
     hf_quant_config = read_json(
-        checkpoint_dir / "hf_quant_config.json", "hf_quant_config.json", error=ReleaseInputError
+        checkpoint_dir / QUANT_CONFIG_FILE, QUANT_CONFIG_FILE, error=ReleaseInputError
     )
     model_config = read_json(checkpoint_dir / "config.json", "config.json", error=ReleaseInputError)
     upstream_keys = preimage["upstream"]

@@ -16,17 +16,15 @@ from typing import Any
 
 import yaml
 
+from mixquant.export.predict import ROUTED_FORMAT_BITS as FORMAT_BITS
+
 FORMAT_LABELS = {"nvfp4_w4a16": "NVFP4 W4A16", "fp8": "FP8 W8A8", "bf16": "BF16"}
-FORMAT_BITS = {"nvfp4_w4a16": 4.5, "fp8": 8.0, "bf16": 16.0}
 HASH_LABELS = {
     "prompt_token_ids": "prompt token IDs",
     "reference_logits": "BF16 reference logits",
     "quant_config": "quant config (hf_quant_config.json)",
     "safetensors_index": "safetensors index (model.safetensors.index.json)",
 }
-# vLLM's --kv-cache-dtype for our KV dtypes: always explicit ("auto" would adopt the checkpoint's FP8 KV
-# scales, REFERENCE.md "KLD and serving"); the same mapping the vllm engine pins.
-VLLM_KV_CACHE_DTYPES = {"bfloat16": "bfloat16", "fp8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -319,8 +317,11 @@ def serve_commands(recipe: Mapping[str, Any], model_id: str) -> list[str]:
     """``vllm serve`` with every numerics-deciding flag pinned, one per gated KV-cache dtype.
 
     No ``--quantization``: vLLM detects ModelOpt checkpoints from hf_quant_config.json / config.json's
-    quantization_config (the KLD engine loads them the same way); ``--kv-cache-dtype`` is always explicit.
+    quantization_config (the KLD engine loads them the same way); ``--kv-cache-dtype`` is always explicit
+    ("auto" would adopt the checkpoint's FP8 KV scales), with the mapping the vllm engine pins.
     """
+    from mixquant.kld.engines import VLLM_KV_CACHE_DTYPES
+
     kld = recipe["kld"]
     commands = []
     for kv in kld["kv_cache_dtypes"]:

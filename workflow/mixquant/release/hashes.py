@@ -20,28 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mixquant.export.inspect import QUANT_CONFIG_FILE
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
+from mixquant.kld.run import LOGITS_FILE, REFERENCE_JSON
+from mixquant.model.layout import INDEX_FILE
 
 # The order of PublishedHashes' fields (config ``published``), which is also the report's order.
 HASH_NAMES = ("prompt_token_ids", "reference_logits", "quant_config", "safetensors_index")
 
 PROMPT_FILE = "prompt.safetensors"
-LOGITS_FILE = "logits.safetensors"
-REFERENCE_JSON = "reference.json"
-QUANT_CONFIG_FILE = "hf_quant_config.json"
-INDEX_FILE = "model.safetensors.index.json"
 
 PROMPT_ENCODING = "token_ids_sha256: token IDs as int32 little-endian, row-major, no header"
 LOGITS_ENCODING = "logits_sha256: float32 little-endian IEEE-754, row-major [T-1, V], no header"
 FILE_ENCODING = "the file's bytes as written"
-
-# Which stage writes which hash's file (verify names the stage to run when one is missing).
-HASH_STAGES = {
-    "prompt_token_ids": ("pin_prompt", PROMPT_FILE),
-    "reference_logits": ("reference_logits", LOGITS_FILE),
-    "quant_config": ("export_checkpoint", QUANT_CONFIG_FILE),
-    "safetensors_index": ("export_checkpoint", INDEX_FILE),
-}
 
 
 class HashSourceError(RuntimeError):
@@ -88,6 +79,14 @@ def artifact_file(directory: str | Path, file: str, stage: str) -> ArtifactFile:
     return ArtifactFile(stage, key, file, path)
 
 
+def reference_document(directory: str | Path) -> dict[str, Any]:
+    """reference_logits' own record (reference.json: the hash it wrote, the engine settings); {} if absent."""
+    path = Path(directory) / REFERENCE_JSON
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text("utf-8"))
+
+
 def prompt_token_ids_hash(prompt_dir: str | Path) -> HashRecord:
     from mixquant.calibration.tokens import load_token_ids, token_ids_sha256
 
@@ -106,14 +105,12 @@ def reference_logits_hash(reference_dir: str | Path) -> HashRecord:
         if "logits" not in handle.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
             raise HashSourceError(f"reference_logits {source.key}: {LOGITS_FILE} has no 'logits' tensor")
         sha = logits_sha256(handle.get_tensor("logits"))
-    record_path = Path(reference_dir) / REFERENCE_JSON
-    if record_path.is_file():
-        recorded = json.loads(record_path.read_text("utf-8")).get("sha256")
-        if recorded is not None and recorded != sha:
-            raise HashSourceError(
-                f"reference_logits {source.key}: {LOGITS_FILE} hashes to {sha} but {REFERENCE_JSON} "
-                f"records {recorded} (the artifact changed after it was written)"
-            )
+    recorded = reference_document(reference_dir).get("sha256")
+    if recorded is not None and recorded != sha:
+        raise HashSourceError(
+            f"reference_logits {source.key}: {LOGITS_FILE} hashes to {sha} but {REFERENCE_JSON} "
+            f"records {recorded} (the artifact changed after it was written)"
+        )
     return HashRecord("reference_logits", sha, source, LOGITS_ENCODING)
 
 
@@ -130,6 +127,15 @@ def safetensors_index_hash(checkpoint_dir: str | Path) -> HashRecord:
     return _file_hash("safetensors_index", checkpoint_dir, INDEX_FILE)
 
 
+# hash name -> (the function deriving it, the keyed directory it reads: prompt, reference_logits, checkpoint)
+HASHERS = {
+    "prompt_token_ids": (prompt_token_ids_hash, "prompt"),
+    "reference_logits": (reference_logits_hash, "reference_logits"),
+    "quant_config": (quant_config_hash, "checkpoint"),
+    "safetensors_index": (safetensors_index_hash, "checkpoint"),
+}
+
+
 def release_hashes(
     prompt_dir: str | Path, reference_dir: str | Path, checkpoint_dir: str | Path
 ) -> dict[str, HashRecord]:
@@ -138,10 +144,5 @@ def release_hashes(
     `prompt_dir`, `reference_dir` and `checkpoint_dir` are keyed output directories of pin_prompt,
     reference_logits and export_checkpoint. A missing file raises :class:`HashSourceError`.
     """
-    records = (
-        prompt_token_ids_hash(prompt_dir),
-        reference_logits_hash(reference_dir),
-        quant_config_hash(checkpoint_dir),
-        safetensors_index_hash(checkpoint_dir),
-    )
-    return {record.name: record for record in records}
+    dirs = {"prompt": prompt_dir, "reference_logits": reference_dir, "checkpoint": checkpoint_dir}
+    return {name: function(dirs[source]) for name, (function, source) in HASHERS.items()}

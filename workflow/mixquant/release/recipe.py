@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from mixquant.config import MixquantConfig, load_config_file, validate_config
+from mixquant.export.predict import FORMATS as FORMAT_ORDER
 
 RECIPE_FILE = "quantization_recipe.yaml"
-FORMAT_ORDER = ("nvfp4_w4a16", "fp8", "bf16")
 
 
 def layer_ranges(layers: list[int]) -> str:

@@ -21,14 +21,12 @@ from mixquant.keys.hashing import is_sha256_hex, require_sha256_hex
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.release.hashes import (
     HASH_NAMES,
+    HASHERS,
     LOGITS_FILE,
-    REFERENCE_JSON,
     HashRecord,
     HashSourceError,
-    prompt_token_ids_hash,
-    quant_config_hash,
+    reference_document,
     reference_logits_hash,
-    safetensors_index_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -131,18 +129,13 @@ def check_hashes(
     reported ``not pinned`` with a note (an all-BF16 export writes no hf_quant_config.json).
     """
     expected = published_values(published)
-    sources = {
-        "prompt_token_ids": (prompt_token_ids_hash, prompt),
-        "reference_logits": (reference_logits_hash, reference_logits),
-        "quant_config": (quant_config_hash, checkpoint),
-        "safetensors_index": (safetensors_index_hash, checkpoint),
-    }
+    dirs = {"prompt": prompt, "reference_logits": reference_logits, "checkpoint": checkpoint}
     checks = []
     for name in HASH_NAMES:
         want = expected[name]
-        function, directory = sources[name]
+        function, source = HASHERS[name]
         try:
-            record = function(directory)
+            record = function(dirs[source])
         except HashSourceError as error:
             if want is not None:
                 raise
@@ -167,13 +160,6 @@ def mismatch_line(report: VerifyReport) -> str:
 # -------------------------------------------------------------------------- how close are the logits
 
 
-def _reference_document(directory: Path) -> dict[str, Any]:
-    path = directory / REFERENCE_JSON
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text("utf-8"))
-
-
 def find_published_reference(
     results_dir: str | Path, published_sha256: str, exclude: Path | None = None
 ) -> Path | None:
@@ -186,7 +172,7 @@ def find_published_reference(
             continue
         if exclude is not None and directory.resolve() == exclude.resolve():
             continue
-        if _reference_document(directory).get("sha256") == published_sha256:
+        if reference_document(directory).get("sha256") == published_sha256:
             return directory
     return None
 
@@ -246,7 +232,7 @@ def compare_reference_logits(
             mean_kl=float(stats["per_position"]["kl"].mean()),
         )
     recorded = ("engine_settings", "engine")
-    mine, their = _reference_document(ours_dir), _reference_document(theirs)
+    mine, their = reference_document(ours_dir), reference_document(theirs)
     result["engine_differences"] = [
         {"field": where, "published": left, "ours": right}
         for where, left, right in diff_values(
