@@ -1,8 +1,13 @@
-"""Shared test helpers: the geometry of the small random Laguna most unit tests build."""
+"""Shared test helpers: the CPU numerics profile and the small random Laguna most unit tests build."""
 
 from __future__ import annotations
 
 import pytest
+from mixquant.numerics import apply_environment
+
+# Every test process computes under the portable CPU numerics profile, as the workflow's jobs do: set before
+# any test module imports torch, so the hashes tests compare are the ones any AVX2 host produces.
+apply_environment("portable", 1)
 
 # Dense layer 0 + 4 MoE layers of 16 experts (top-2), every matrix input a multiple of 16 (NVFP4 blocks).
 SMALL_LAGUNA = {

@@ -1,10 +1,14 @@
-"""The CLI surface: predict on the committed Laguna-S-2.1 config, one-line errors, explain."""
+"""The CLI surface: predict on the committed Laguna-S-2.1 config, one-line errors, explain, paths."""
 
 import json
+import subprocess
 from pathlib import Path
 
-from mixquant.cli import main
+import pytest
+import yaml
+from mixquant.cli import main, snakemake_error
 from mixquant.jsonio import diff_values
+from mixquant.rulelog import failure_marker
 
 REPO = Path(__file__).resolve().parents[1]
 LAGUNA = str(REPO / "data/models/laguna-s-2.1/config.json")
@@ -46,3 +50,110 @@ def test_explain_diff_names_leaf_paths():
     a = {"config": {"calibration": {"num_samples": 64, "seed": 0}}, "upstream": {"model": "a" * 64}}
     b = {"config": {"calibration": {"num_samples": 16, "seed": 0}}, "upstream": {"model": "a" * 64}}
     assert diff_values(a, b) == [("config.calibration.num_samples", 64, 16)]
+
+
+# ------------------------------------------------------------------------------ plan, paths: errors
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A working directory with the default config (data/ as in the repo) and no Snakemake to start."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(REPO / "data")
+
+    def no_snakemake(*args, **kwargs):
+        raise AssertionError("the config's error must be found before Snakemake is started")
+
+    monkeypatch.setattr(subprocess, "run", no_snakemake)
+    return tmp_path
+
+
+def _write(root: Path, edit=None, text: str | None = None) -> str:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["model"] = {"source": "toy"}
+    if edit:
+        edit(config)
+    (root / "cfg.yaml").write_text(text if text is not None else yaml.safe_dump(config))
+    return "cfg.yaml"
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda root: "missing.yaml", "mixquant: missing.yaml: config file not found"),
+        (
+            lambda root: _write(root, text="calibration: [64\nprompt: {}\n"),
+            "mixquant: cfg.yaml: not valid YAML: expected ',' or ']', but got ':' at line 2, column 7",
+        ),
+        (
+            lambda root: _write(root, lambda c: c["calibration"].update(num_samples="many")),
+            "mixquant: cfg.yaml: config key 'calibration.num_samples': Input should be a valid integer, "
+            "unable to parse string as an integer (got 'many')",
+        ),
+        (
+            lambda root: _write(
+                root, lambda c: c["placement"]["search"].update(pins=[{"layers": "12", "format": "bf16"}])
+            ),
+            "mixquant: cfg.yaml: config key 'placement.search.pins.0.layers': layer 12 is not a MoE layer "
+            "(the MoE layers are 1-8)",
+        ),
+        (
+            lambda root: _write(root, lambda c: c.update(results_dir="../../etc")),
+            "mixquant: cfg.yaml: config key 'results_dir': '../../etc' is outside the working directory "
+            "('..' climbs out of it); set allow_outside_workdir: true to allow it",
+        ),
+        (
+            lambda root: _write(root, lambda c: c["prompt"].update(seq_len=8192)),
+            "mixquant: cfg.yaml: config key 'prompt.seq_len': 8192 tokens exceed the model's "
+            "max_position_embeddings 4096 (model.toy.arch.max_position_embeddings); feasible: 2..4096",
+        ),
+        (
+            lambda root: _write(root, lambda c: c["placement"].update(target_effective_bits=4.0)),
+            "mixquant: cfg.yaml: config key 'placement.target_effective_bits': 4 is out of reach; "
+            "feasible: 4.5..16 (formats nvfp4_w4a16, fp8, bf16)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "paths"])
+def test_a_bad_config_is_one_line_naming_the_cause(scratch, capsys, make, expected, command):
+    assert main([command, "--configfile", make(scratch)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == expected + "\n" and captured.out == ""
+
+
+def test_a_failed_snakemake_reports_its_cause_not_the_profile_note():
+    profile = "Using workflow specific profile profiles/default for setting default command line arguments.\n"
+    traceback = (
+        "Traceback (most recent call last):\n  File ...\nFileNotFoundError: [Errno 2] nope: 'x.yaml'\n"
+    )
+    assert snakemake_error(traceback, profile) == "FileNotFoundError: [Errno 2] nope: 'x.yaml'"
+    ours = profile + "mixquant: cfg.yaml: config key 'results_dir': bad\nWorkflowError: ...\n"
+    assert snakemake_error("", ours) == "cfg.yaml: config key 'results_dir': bad"
+    assert snakemake_error("", profile + "WorkflowError:\nTarget rules may not contain wildcards.\n") == (
+        "Target rules may not contain wildcards."
+    )
+    schema = "WorkflowError in file common.smk, line 31:\nError validating config file.\n"
+    schema += "ValidationError: Additional properties are not allowed ('x' was unexpected)\n"
+    schema += "\nOn instance:\n {'x': 1}\n"
+    assert (
+        snakemake_error(schema, profile)
+        == "ValidationError: Additional properties are not allowed ('x' was unexpected)"
+    )
+    assert snakemake_error("", "") == "(no output)"
+
+
+def test_paths_shows_a_failed_stage_as_failed(scratch, capsys):
+    config = _write(scratch)
+    assert main(["paths", "--json", "--configfile", config]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["state"] for row in rows.values()} == {"todo"} and not any(r["done"] for r in rows.values())
+    prompt = rows["prompt"]
+    log = scratch / "results" / "logs" / prompt["stage"] / f"{prompt['key']}.log"
+    log.parent.mkdir(parents=True)
+    failure_marker(log).write_text("prompt.sha256: mismatch\n")
+    assert main(["paths", "--json", "--configfile", config]) == 0
+    row = json.loads(capsys.readouterr().out)["prompt"]
+    assert (row["state"], row["done"], row["log"]) == ("failed", False, str(log.relative_to(scratch)))
+    assert main(["paths", "--configfile", config]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt "))
+    assert line.split()[1] == "failed" and line.endswith(f"(log: {log.relative_to(scratch)})")

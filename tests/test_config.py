@@ -72,3 +72,21 @@ def test_errors_are_one_line():
         validate_config({"dataset": {"source": "local"}, "model": {"sorce": "toy"}}, "cfg.yaml")
     assert "\n" not in str(error.value)
     assert str(error.value).startswith("cfg.yaml: ")
+
+
+def test_a_yaml_error_is_one_line_with_where(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("calibration: [64\nprompt: {}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config_file(path)
+    assert str(error.value) == f"{path}: not valid YAML: expected ',' or ']', but got ':' at line 2, column 7"
+
+
+def test_paths_outside_the_workdir_are_refused_unless_allowed_by_one_documented_key():
+    field = MixquantConfig.model_fields["allow_outside_workdir"]
+    assert field.default is False and "outside the working directory" in field.description
+    committed = json.loads((REPO / "workflow" / "schemas" / "config.schema.json").read_text())
+    assert (
+        committed["properties"]["allow_outside_workdir"]
+        == json_schema()["properties"]["allow_outside_workdir"]
+    )

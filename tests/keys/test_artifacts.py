@@ -64,32 +64,58 @@ def moved(base, changed):
 def test_calibration_knob_moves_calibration_and_what_reads_it(raw):
     base, changed = keys(raw), keys(edited(raw, "calibration", num_samples=32))
     # FP8 layers read the activation statistics; NVFP4 and BF16 layers only read weights.
-    assert moved(base, changed) == ["activations", "calibration", "checkpoint", "layer/5/fp8", "layer/6/fp8"]
+    assert moved(base, changed) == ["activations", "calibration", "checkpoint", "layers/fp8/1-8"]
 
 
 def test_nvfp4_knob_moves_only_nvfp4_layers(raw):
     changed_raw = copy.deepcopy(raw)
     changed_raw["quantize"]["nvfp4_w4a16"]["calibration"] = "max"
-    # layers 1-4 of the placement, 5-8 of the uniform-NVFP4 KLD candidate
-    assert moved(keys(raw), keys(changed_raw)) == ["checkpoint"] + [
-        f"layer/{layer}/nvfp4_w4a16" for layer in range(1, 9)
-    ]
+    # one window of all 8 MoE layers (the placement's 1-4 and the uniform-NVFP4 candidate's 5-8)
+    assert moved(keys(raw), keys(changed_raw)) == ["checkpoint", "layers/nvfp4_w4a16/1-8"]
 
 
-def test_moving_one_layer_adds_exactly_that_layer_x_format(raw):
+def test_quantize_windows_cover_every_moe_layer_in_each_placed_format(raw):
+    art = resolve_artifacts(validate_config(raw))
+    windows = {name: a.settings for name, a in art.items() if a.stage == "quantize_layer"}
+    assert sorted(windows) == ["layers/bf16/1-8", "layers/fp8/1-8", "layers/nvfp4_w4a16/1-8"]
+    assert all(settings["layers"] == list(range(1, 9)) for settings in windows.values())
+    assert set(art["layers/fp8/1-8"].upstream) == {"model", "activations"}
+    assert set(art["layers/bf16/1-8"].upstream) == {"model"}
+    # the export reads each layer from the window of its placed format
+    assert art["checkpoint"].upstream["layer_5"] == "layers/fp8/1-8"
+    assert art["checkpoint"].upstream["layer_8"] == "layers/bf16/1-8"
+
+
+def test_moving_one_layer_reuses_every_window(raw):
     changed_raw = copy.deepcopy(raw)
     changed_raw["placement"]["explicit"]["layers"].append({"layers": "7", "format": "fp8"})
     base, changed = keys(raw), keys(changed_raw)
-    assert set(changed) - set(base) == {"layer/7/fp8"} and set(base) - set(changed) == {"layer/7/bf16"}
-    assert moved(base, changed) == ["checkpoint", "layer/7/bf16"]
+    assert set(changed) == set(base)
+    assert moved(base, changed) == ["checkpoint"]
 
 
-def test_a_layer_x_format_key_does_not_depend_on_the_rest_of_the_placement(raw):
+def test_one_layer_per_job_moves_exactly_that_layer_x_format(raw):
+    single = edited(raw, "quantize", layers_per_job=1)
+    changed_raw = copy.deepcopy(single)
+    changed_raw["placement"]["explicit"]["layers"].append({"layers": "7", "format": "fp8"})
+    base, changed = keys(single), keys(changed_raw)
+    assert set(changed) - set(base) == {"layers/fp8/7-7"} and set(base) - set(changed) == {"layers/bf16/7-7"}
+    assert moved(base, changed) == ["checkpoint", "layers/bf16/7-7"]
+    # the window size is a knob of the job layout: it moves the windows, not what they are computed from
+    assert keys(single)["activations"] == keys(raw)["activations"]
+
+
+def test_window_keys_do_not_depend_on_the_placement(raw):
     changed_raw = copy.deepcopy(raw)
     changed_raw["placement"]["explicit"]["layers"] = [{"layers": "1-8", "format": "nvfp4_w4a16"}]
     base, changed = keys(raw), keys(changed_raw)
+    assert changed["layers/nvfp4_w4a16/1-8"] == base["layers/nvfp4_w4a16/1-8"]
+    single = edited(raw, "quantize", layers_per_job=1)
+    single_changed = edited(changed_raw, "quantize", layers_per_job=1)
     assert all(
-        changed[f"layer/{layer}/nvfp4_w4a16"] == base[f"layer/{layer}/nvfp4_w4a16"] for layer in (1, 2, 3, 4)
+        keys(single_changed)[f"layers/nvfp4_w4a16/{layer}-{layer}"]
+        == keys(single)[f"layers/nvfp4_w4a16/{layer}-{layer}"]
+        for layer in (1, 2, 3, 4)
     )
 
 
@@ -143,25 +169,25 @@ def test_search_graph_ends_at_the_placement_until_it_is_solved(raw_search):
     # 8 MoE layers in chunks of 4, per scored format (bf16 is the reference: score 0, no job)
     assert scores == ["scores/fp8/1-4", "scores/fp8/5-8", "scores/nvfp4_w4a16/1-4", "scores/nvfp4_w4a16/5-8"]
     layers = sorted(name for name, a in art.items() if a.stage == "quantize_layer")
-    assert layers == sorted(f"layer/{layer}/{fmt}" for layer in range(1, 9) for fmt in ("fp8", "nvfp4_w4a16"))
+    assert layers == ["layers/fp8/1-8", "layers/nvfp4_w4a16/1-8"]  # one window per scored format
     assert "checkpoint" not in art
     placement = art["placement"]
     assert placement.stage == "solve_placement"
     assert set(placement.upstream) == {"model"} | {
         f"scores_{fmt}_{i}" for fmt in ("fp8", "nvfp4_w4a16") for i in (1, 5)
     }
-    # a score job reads exactly its own layers' results in its format
+    # a score job reads exactly its own layers' results in its format (from the window holding them)
     assert art["scores/fp8/5-8"].upstream == {
         "model": "model",
         "calibration": "calibration",
-        **{f"layer_{layer}": f"layer/{layer}/fp8" for layer in range(5, 9)},
+        **{f"layer_{layer}": "layers/fp8/1-8" for layer in range(5, 9)},
     }
 
 
 def test_search_scores_the_weights_the_rebuild_ships(raw_search, raw):
     """calibration: rebuild -> the scored layer x format results are the rebuild's own (same keys)."""
     search, explicit = keys(raw_search), keys(raw)
-    for name in ("layer/1/nvfp4_w4a16", "layer/5/fp8"):
+    for name in ("layers/nvfp4_w4a16/1-8", "layers/fp8/1-8"):
         assert search[name] == explicit[name]
 
 
@@ -189,9 +215,7 @@ def test_adding_a_format_adds_only_its_scoring(raw_search):
     without = keys(edited_placement(raw_search, formats=["nvfp4_w4a16", "bf16"]))
     with_fp8 = keys(raw_search)
     added = sorted(set(with_fp8) - set(without))
-    assert added == ["layer/5/fp8", "layer/6/fp8", "layer/7/fp8", "layer/8/fp8"][:0] + sorted(
-        [f"layer/{layer}/fp8" for layer in range(1, 9)] + ["scores/fp8/1-4", "scores/fp8/5-8"]
-    )
+    assert added == ["layers/fp8/1-8", "scores/fp8/1-4", "scores/fp8/5-8"]
     assert not set(without) - set(with_fp8)
     assert moved(without, with_fp8) == ["placement"]  # every nvfp4 score and layer key is unchanged
 
@@ -234,7 +258,7 @@ def test_checkpoint_follows_the_placement_content_not_the_budget(raw_search, raw
     assert a["checkpoint"].key == b["checkpoint"].key
     # ... and it is the very checkpoint an explicit placement with the same map gives
     assert a["checkpoint"].key == resolve_artifacts(validate_config(raw))["checkpoint"].key
-    assert a["layer/7/bf16"].stage == "quantize_layer"
+    assert a["layers/bf16/1-8"].stage == "quantize_layer"
 
 
 # --------------------------------------------------------------------------------------------- kld
@@ -256,26 +280,32 @@ def test_kld_graph_before_and_after_the_placement(raw_search):
     assert before["reference_logits"].upstream == {"model": "model", "prompt": "prompt"}
     assert by_stage(before, "export_checkpoint") == ["candidate/uniform-nvfp4"]
     runs = by_stage(before, "run_kld")
-    assert len(runs) == 2 * 2 * 5 and not any(name.startswith("kld/searched/") for name in runs)
+    assert runs == [
+        "kld/bf16/bfloat16",
+        "kld/bf16/fp8",
+        "kld/uniform-nvfp4/bfloat16",
+        "kld/uniform-nvfp4/fp8",
+    ]
     assert by_stage(before, "gate_kld") == ["gate/bf16/bfloat16", "gate/bf16/fp8"] + [
         "gate/uniform-nvfp4/bfloat16",
         "gate/uniform-nvfp4/fp8",
     ]
     assert "kld_report" not in before and "kld_verdict" not in before
     after = resolve_artifacts(cfg, placement=TOY_PLACEMENT)
-    assert len(by_stage(after, "run_kld")) == 3 * 2 * 5 and len(by_stage(after, "gate_kld")) == 6
-    assert after["kld/searched/fp8/4"].upstream["candidate"] == "checkpoint"
-    assert after["kld/bf16/bfloat16/0"].upstream["candidate"] == "model"
-    assert after["kld/uniform-nvfp4/fp8/0"].upstream["candidate"] == "candidate/uniform-nvfp4"
+    # one run_kld job per (candidate, KV dtype), doing all five runs
+    assert len(by_stage(after, "run_kld")) == 3 * 2 and len(by_stage(after, "gate_kld")) == 6
+    assert after["kld/searched/fp8"].upstream["candidate"] == "checkpoint"
+    assert after["kld/searched/fp8"].settings["runs"] == 5
+    assert after["kld/bf16/bfloat16"].upstream["candidate"] == "model"
+    assert after["kld/uniform-nvfp4/fp8"].upstream["candidate"] == "candidate/uniform-nvfp4"
     gate = after["gate/searched/fp8"]
-    assert set(gate.upstream) == {f"run_{i}" for i in range(5)} | {f"baseline_run_{i}" for i in range(5)}
-    assert gate.upstream["baseline_run_3"] == "kld/uniform-nvfp4/fp8/3"
-    assert "baseline_run_0" not in after["gate/uniform-nvfp4/fp8"].upstream  # the baseline itself
+    assert gate.upstream == {"runs": "kld/searched/fp8", "baseline_runs": "kld/uniform-nvfp4/fp8"}
+    assert "baseline_runs" not in after["gate/uniform-nvfp4/fp8"].upstream  # the baseline itself
     assert after["gate/bf16/bfloat16"].settings["require_exact_zero"] is True
     assert after["gate/bf16/fp8"].settings["require_exact_zero"] is False
     assert after["kld_verdict"].upstream == {"report": "kld_report"}
     # the uniform candidate's layers are the search's own NVFP4 results (same keys)
-    assert after["candidate/uniform-nvfp4"].upstream["layer_3"] == "layer/3/nvfp4_w4a16"
+    assert after["candidate/uniform-nvfp4"].upstream["layer_3"] == "layers/nvfp4_w4a16/1-8"
 
 
 def test_run_keys_follow_content_not_names(raw_search):
@@ -284,9 +314,14 @@ def test_run_keys_follow_content_not_names(raw_search):
     renamed["kld"]["baseline"] = "nvfp4-everywhere"
     a = resolve_artifacts(validate_config(raw_search))
     b = resolve_artifacts(validate_config(renamed))
-    assert a["kld/uniform-nvfp4/fp8/2"].key == b["kld/nvfp4-everywhere/fp8/2"].key
-    keys_ = {a[f"kld/bf16/{kv}/{run}"].key for kv in ("bfloat16", "fp8") for run in range(5)}
-    assert len(keys_) == 10  # every (KV dtype, run) is its own fresh-engine job
+    assert a["kld/uniform-nvfp4/fp8"].key == b["kld/nvfp4-everywhere/fp8"].key
+    assert a["kld/bf16/bfloat16"].key != a["kld/bf16/fp8"].key
+    # the number of runs is part of what a job computed
+    fewer = copy.deepcopy(raw_search)
+    fewer["kld"]["runs"] = 3
+    c = resolve_artifacts(validate_config(fewer))
+    assert c["kld/bf16/fp8"].key != a["kld/bf16/fp8"].key and c["kld/bf16/fp8"].settings["runs"] == 3
+    assert c["reference_logits"].key == a["reference_logits"].key
 
 
 def test_gate_settings_move_only_gates_report_and_verdict(raw_search):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -12,6 +13,21 @@ from mixquant.calibration.tokens import save_token_ids
 from mixquant.kld.run import logits_sha256
 from safetensors.torch import save_file
 
+# A numerics fingerprint as mixquant.numerics.fingerprint() writes it (synthetic: the same on every host).
+FINGERPRINT = {
+    "decisive": {
+        "device": "cpu",
+        "profile": "portable",
+        "threads": 1,
+        "cpu_capability": "AVX2",
+        "mkl_cbwr": "COMPATIBLE",
+        "mkldnn": False,
+        "libraries": {"torch": "2.13.0+cpu", "mkl": "2024.2", "onednn": "3.12.0", "transformers": "5.24.0"},
+        "python": "3.11.7",
+    },
+    "host": {"vendor": "AuthenticAMD", "model": "AMD EPYC", "isa": "avx2", "machine": "x86_64"},
+}
+
 
 def keyed_dir(results: Path, stage: str, label: str) -> Path:
     directory = results / stage / hashlib.sha256(label.encode()).hexdigest()
@@ -19,7 +35,10 @@ def keyed_dir(results: Path, stage: str, label: str) -> Path:
     return directory
 
 
-def write_reference(directory: Path, logits: torch.Tensor, engine: dict | None = None) -> str:
+def write_reference(
+    directory: Path, logits: torch.Tensor, engine: dict | None = None, numerics: dict | None = FINGERPRINT
+) -> str:
+    """logits.safetensors and reference.json as reference_logits writes them (numerics None: not recorded)."""
     sha = logits_sha256(logits)
     save_file(
         {"logits": logits.contiguous()}, str(directory / "logits.safetensors"), metadata={"sha256": sha}
@@ -29,6 +48,9 @@ def write_reference(directory: Path, logits: torch.Tensor, engine: dict | None =
         "engine_settings": {"engine": "hf", "seed": 0, "kv_cache_dtype": "bfloat16"},
         "engine": engine or {"engine": "hf", "device": "cpu", "threads": 2},
     }
+    if numerics is not None:
+        document["numerics"] = copy.deepcopy(numerics)
+        document["engine"] = {**document["engine"], "numerics": copy.deepcopy(numerics)}
     (directory / "reference.json").write_text(json.dumps(document), "utf-8")
     return sha
 
@@ -41,8 +63,14 @@ def make_keyed_dir(tmp_path):
 
 @pytest.fixture
 def reference_writer():
-    """write_reference(directory, logits, engine=None) -> the logits' SHA-256, as reference_logits writes."""
+    """write_reference(directory, logits, engine=None, numerics=FINGERPRINT) -> the logits' SHA-256."""
     return write_reference
+
+
+@pytest.fixture
+def decisive():
+    """A fresh copy of the decisive part of the fingerprint the synthetic reference records."""
+    return copy.deepcopy(FINGERPRINT["decisive"])
 
 
 @pytest.fixture

@@ -94,7 +94,10 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
             "manifest.json",
             "model-00001-of-00001.safetensors",
             "model.safetensors.index.json",
+            "numerics.json",
             "quantization_recipe.yaml",
+            "reference/logits.safetensors",
+            "reference/reference.json",
             "tokenizer.json",
             *(f"kld/{c}.{kv}.json" for c in CANDIDATES for kv in KV),
         ]
@@ -117,6 +120,37 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
         "safetensors_index",
     }
     assert summary["hashes"]["quant_config"] in card  # the card quotes the re-derived hashes
+
+
+def test_release_ships_the_reference_logits_and_the_decisive_fingerprint(upstream, tmp_path, decisive):
+    from mixquant.release.hashes import reference_logits_hash
+    from mixquant.release.verify import published_logits
+
+    out = _release(upstream, tmp_path)
+    reference = upstream["reference"]
+    assert os.path.samefile(out / "reference/logits.safetensors", reference / "logits.safetensors")
+    assert json.loads((out / "numerics.json").read_text()) == decisive  # what published.numerics takes
+    shipped = json.loads((out / "reference/reference.json").read_text())
+    recorded = json.loads((reference / "reference.json").read_text())
+    assert shipped["sha256"] == recorded["sha256"] == reference_logits_hash(reference).sha256
+    # no host details in the release: only the fingerprint's decisive part
+    assert shipped["numerics"] == {"decisive": decisive} and "host" in recorded["numerics"]
+    assert shipped["engine"]["numerics"] == {"decisive": decisive}
+    assert json.loads((out / "manifest.json").read_text())["summary"]["numerics"] == decisive
+    # `mixquant verify --against RELEASE` finds the logits and the fingerprint there
+    logits, _, numerics = published_logits(out)
+    assert logits == out / "reference/logits.safetensors" and numerics == decisive
+    card = (out / "README.md").read_text()
+    assert "- Numerics fingerprint of the BF16 reference logits (`numerics.json`" in card
+    assert "ATen CPU capability AVX2" in card and "AMD EPYC" not in card
+    assert "`reference/logits.safetensors`" in card and "`numerics.json`" in card
+    assert _release(upstream, tmp_path / "again").joinpath("README.md").read_text() == card
+
+
+def test_a_reference_without_a_fingerprint_is_refused(upstream, tmp_path, release_dirs, reference_writer):
+    reference_writer(upstream["reference"], release_dirs["logits"], numerics=None)
+    with pytest.raises(ReleaseInputError, match=r"^reference_logits [0-9a-f]{64}: reference.json records no"):
+        _release(upstream, tmp_path)
 
 
 def test_a_failed_verdict_is_refused_with_one_line(upstream, tmp_path):

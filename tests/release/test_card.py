@@ -194,3 +194,43 @@ def test_front_matter_must_be_there():
         parse_front_matter("# title\n")
     with pytest.raises(ValueError, match="not closed"):
         parse_front_matter("---\nlicense: other\n")
+
+
+DECISIVE = {
+    "device": "cpu",
+    "profile": "portable",
+    "threads": 1,
+    "cpu_capability": "AVX2",
+    "mkl_cbwr": "COMPATIBLE",
+    "mkldnn": False,
+    "libraries": {"torch": "2.13.0+cpu", "mkl": "2024.2"},
+    "python": "3.11.7",
+}
+
+
+def test_provenance_names_the_numerics_fingerprint_and_the_hash_kinds():
+    inputs = dataclasses.replace(_inputs(), numerics=DECISIVE)
+    card = model_card(inputs)
+    assert (
+        "- Numerics fingerprint of the BF16 reference logits (`numerics.json`, shipped with them in "
+        "`reference/`): device cpu, profile portable, threads 1, ATen CPU capability AVX2, MKL CBWR "
+        "COMPATIBLE, oneDNN (mkldnn) off; mkl 2024.2, torch 2.13.0+cpu; Python 3.11.7."
+    ) in card
+    assert "| what | kind | SHA-256 | file | encoding |" in card
+    assert f"| BF16 reference logits | numerical | `{'2' * 64}`" in card
+    assert f"| quant config (hf_quant_config.json) | content | `{'3' * 64}`" in card
+    assert model_card(inputs) == card  # deterministic
+    assert "Numerics fingerprint" not in model_card(_inputs())  # none recorded, none named
+
+
+def test_a_published_fingerprint_is_compared_and_is_no_hash():
+    inputs = dataclasses.replace(_inputs(), numerics=DECISIVE)
+    recipe = dict(inputs.recipe, published={"quant_config": "3" * 64, "numerics": DECISIVE})
+    card = model_card(dataclasses.replace(inputs, recipe=recipe))
+    assert "Published hashes: 1 of 1 pinned in the recipe match this release." in card
+    assert "- Published numerics fingerprint (`published.numerics`): equal to this release's." in card
+    other = {**DECISIVE, "cpu_capability": "AVX512"}
+    recipe = dict(inputs.recipe, published={"numerics": other})
+    card = model_card(dataclasses.replace(inputs, recipe=recipe))
+    assert "No published hashes are pinned" in card
+    assert "(`published.numerics`): differs in `cpu_capability`; this release's reference logits" in card

@@ -80,7 +80,14 @@ def test_release_hashes_returns_the_four_in_published_order(release_dirs):
     assert all(name == record.name for name, record in records.items())
     as_json = records["quant_config"].to_json()
     assert as_json["artifact"]["key"] == release_dirs["checkpoint"].name
-    assert set(as_json) == {"name", "sha256", "artifact", "encoding"}
+    assert set(as_json) == {"name", "kind", "sha256", "artifact", "encoding"}
+    # token IDs and file bytes are content; the float logits are numerical (they follow the numerics)
+    assert {name: record.kind for name, record in records.items()} == {
+        "prompt_token_ids": "content",
+        "reference_logits": "numerical",
+        "quant_config": "content",
+        "safetensors_index": "content",
+    }
     json.dumps({name: record.to_json() for name, record in records.items()})
 
 

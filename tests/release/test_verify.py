@@ -1,4 +1,5 @@
-"""Published hashes compared: match / mismatch / not pinned, the logits comparison, the stage and its key."""
+"""Published hashes compared: match / mismatch / not pinned, content vs numerical kinds, the numerics
+fingerprints and the policy (strict or not), the logits comparison, the stage and its key."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from mixquant.keys.artifacts import resolve_artifacts
 from mixquant.keys.manifest import read_manifest
 from mixquant.release.hashes import HASH_NAMES, HashSourceError, release_hashes
 from mixquant.release.verify import (
+    DIFFERENT,
+    EQUAL,
     MATCH,
     MISMATCH,
     NOT_PINNED,
+    UNKNOWN,
     HashMismatchError,
     VerifyInputError,
     format_report,
@@ -26,6 +30,7 @@ from mixquant.release.verify import (
     verify_artifacts,
     verify_dirs,
 )
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +51,8 @@ def test_all_four_match(release_dirs):
     document = report.to_json()
     assert document["counts"] == {MATCH: 4, MISMATCH: 0, NOT_PINNED: 0}
     assert document["hashes"]["quant_config"]["artifact"]["file"] == "hf_quant_config.json"
-    assert format_report(report).splitlines()[-1] == "4 match, 0 mismatch, 0 not pinned"
+    assert document["ok"] is document["passed"] is True
+    assert format_report(report).splitlines()[-2:] == ["4 match, 0 mismatch, 0 not pinned", "passed"]
 
 
 @pytest.mark.parametrize("changed", HASH_NAMES)
@@ -63,8 +69,10 @@ def test_one_changed_published_hash_is_the_only_mismatch(release_dirs, changed):
     line = mismatch_line(report)
     assert "\n" not in line and f"{changed} is {got}, published {'0' * 64}" in line
     text = format_report(report)
-    assert f"{changed}: mismatch" in text and mismatch.record.encoding in text
-    assert text.splitlines()[-1] == "3 match, 1 mismatch, 0 not pinned"
+    assert f"{changed}: mismatch ({mismatch.kind} hash)" in text and mismatch.record.encoding in text
+    assert text.splitlines()[-2] == "3 match, 1 mismatch, 0 not pinned"
+    # no published fingerprint: any mismatch fails, content or numerical
+    assert text.splitlines()[-1].startswith(f"FAILED: {mismatch.kind} mismatch: {changed}")
 
 
 def test_unpinned_hashes_are_reported_not_pinned(release_dirs):
@@ -125,11 +133,14 @@ def test_logits_mismatch_reports_how_close_the_published_logits_are(
     assert comparison["positions"] == 5
     assert comparison["mean_kl"] == pytest.approx(_kl(theirs, release_dirs["logits"]), rel=1e-5)
     assert comparison["mean_kl"] > 0
+    assert comparison["top1_agreement"] == 1.0  # one logit below each row's top moved
+    # the fingerprints are compared on their own (decisive fields), not as engine settings
     assert comparison["engine_differences"] == [
         {"field": "engine.device", "published": "cuda:0", "ours": "cpu"}
     ]
     text = format_report(report)
     assert "max |diff| 0.25" in text and 'engine.device: published "cuda:0", ours "cpu"' in text
+    assert "top-1 agreement 100.00% over 5 positions" in text
     json.dumps(report.to_json())
 
 
@@ -140,6 +151,7 @@ def test_logits_mismatch_without_the_published_logits_says_so(release_dirs):
     assert report.logits_comparison["found"] is False
     assert "no reference_logits output" in report.logits_comparison["note"]
     assert "--against" in format_report(report)
+    assert "a release directory" in report.logits_comparison["note"]
 
 
 def test_against_compares_with_the_given_directory(release_dirs, make_keyed_dir, reference_writer):
@@ -151,8 +163,332 @@ def test_against_compares_with_the_given_directory(release_dirs, make_keyed_dir,
     assert comparison["found"] and comparison["against_is_published"] is False
     assert comparison["max_abs_diff"] == pytest.approx(1.0, abs=1e-6)
     assert "NOT the published hash" in format_report(report)
-    with pytest.raises(VerifyInputError, match="--against .*: no logits.safetensors"):
+    with pytest.raises(VerifyInputError, match="--against .*: no logits.safetensors there"):
         verify_dirs(published, **sources(release_dirs), against=release_dirs["checkpoint"])
+
+
+# ------------------------------------------------------------- content vs numerical, the fingerprints
+
+KINDS = {
+    "prompt_token_ids": "content",
+    "reference_logits": "numerical",
+    "quant_config": "content",
+    "safetensors_index": "content",
+}
+
+
+def _other_numerics(decisive):
+    """The published fingerprint of another machine: AVX512 kernels and another torch."""
+    return {**decisive, "cpu_capability": "AVX512", "libraries": {**decisive["libraries"], "torch": "2.12.0"}}
+
+
+def _published(release_dirs, flipped=(), numerics=None):
+    published = actual(release_dirs)
+    for name in flipped:
+        published[name] = "0" * 64
+    return {**published, "numerics": numerics}
+
+
+def test_every_hash_is_reported_as_content_or_numerical(release_dirs):
+    published = _published(release_dirs, flipped=HASH_NAMES)
+    report = verify_dirs(published, **sources(release_dirs))
+    document = report.to_json()
+    assert {name: row["kind"] for name, row in document["hashes"].items()} == KINDS
+    assert document["mismatches"] == {
+        "content": ["prompt_token_ids", "quant_config", "safetensors_index"],
+        "numerical": ["reference_logits"],
+    }
+    text = format_report(report)
+    table = {line.split()[0]: line.split()[1] for line in text.splitlines()[1:5]}
+    assert table == KINDS and text.splitlines()[0].split()[:3] == ["hash", "kind", "status"]
+    assert "reference_logits: mismatch (numerical hash)" in text
+    assert "quant_config: mismatch (content hash)" in text
+    records = release_hashes(
+        release_dirs["prompt"], release_dirs["reference_logits"], release_dirs["checkpoint"]
+    )
+    assert {name: record.to_json()["kind"] for name, record in records.items()} == KINDS
+
+
+def test_a_logits_mismatch_names_the_fingerprint_fields_that_differ(release_dirs, decisive):
+    published = _published(release_dirs, ["reference_logits"], _other_numerics(decisive))
+    report = verify_dirs(published, **sources(release_dirs))
+    assert report.numerics.status == DIFFERENT and report.numerics.published_source == "published.numerics"
+    assert report.numerics.ours == decisive  # reference.json's, without its host part
+    assert report.numerics.differences == [
+        "cpu_capability: 'AVX512' -> 'AVX2'",
+        "libraries.torch: '2.12.0' -> '2.13.0+cpu'",
+    ]
+    document = report.to_json()
+    assert document["numerics"]["differences"] == report.numerics.differences
+    assert document["not_reproducible_bit_for_bit_here"] == ["reference_logits"]
+    assert document["ok"] is False and document["passed"] is True
+    text = format_report(report)
+    lines = text.splitlines()
+    assert (
+        "reference logits numerics: numerics fingerprint differs from the published one in "
+        "cpu_capability, libraries.torch"
+    ) in lines
+    assert "  differs   cpu_capability: 'AVX512' -> 'AVX2'" in lines
+    assert (
+        "  ours      device cpu, profile portable, threads 1, ATen CPU capability AVX2, MKL CBWR COMPATIBLE, "
+        "oneDNN (mkldnn) off; mkl 2024.2, onednn 3.12.0, torch 2.13.0+cpu, transformers 5.24.0; Python 3.11.7"
+    ) in lines
+    assert text.splitlines()[-1] == (
+        "passed: reference_logits not reproducible bit for bit here (numerics fingerprint differs from the "
+        "published one in cpu_capability, libraries.torch); --strict fails on it"
+    )
+    strict = format_report(report, strict=True).splitlines()[-1]
+    assert strict.startswith("FAILED: --strict: reference_logits not reproducible bit for bit here (")
+
+
+def _no_recorded_numerics(release_dirs, reference_writer):
+    reference_writer(release_dirs["reference_logits"], release_dirs["logits"], numerics=None)
+
+
+# flipped hashes, published fingerprint (same / other / None: unknown), our fingerprint recorded,
+# passes (workflow rule, plain `mixquant verify`), passes --strict, the failing hashes without --strict
+POLICY = [
+    ((), "same", True, True, True, []),
+    ((), "other", True, True, True, []),
+    (("quant_config",), "other", True, False, False, ["quant_config"]),
+    (("prompt_token_ids",), None, True, False, False, ["prompt_token_ids"]),
+    (("reference_logits",), "same", True, False, False, ["reference_logits"]),
+    (("reference_logits",), None, True, False, False, ["reference_logits"]),
+    (("reference_logits",), "other", False, False, False, ["reference_logits"]),
+    (("reference_logits",), "other", True, True, False, []),
+    (("reference_logits", "safetensors_index"), "other", True, False, False, ["safetensors_index"]),
+]
+
+
+@pytest.mark.parametrize(("flipped", "theirs", "recorded", "passes", "strict", "failing"), POLICY)
+def test_policy_content_always_fails_numerical_only_under_an_equal_or_unknown_fingerprint(
+    release_dirs, reference_writer, decisive, flipped, theirs, recorded, passes, strict, failing
+):
+    if not recorded:
+        _no_recorded_numerics(release_dirs, reference_writer)
+    numerics = {"same": decisive, "other": _other_numerics(decisive), None: None}[theirs]
+    report = verify_dirs(_published(release_dirs, flipped, numerics), **sources(release_dirs))
+    assert report.passed is passes and report.ok is (not flipped)
+    assert (not report.failures(strict=True)) is strict
+    assert [c.name for c in report.failures()] == failing
+    assert [c.name for c in report.failures(strict=True)] == list(
+        name for name in HASH_NAMES if name in flipped
+    )
+    expected_status = {"same": EQUAL, "other": DIFFERENT, None: UNKNOWN}[theirs] if recorded else UNKNOWN
+    assert report.numerics.status == expected_status
+
+
+def test_the_rule_fails_on_content_and_on_numerical_mismatches_under_an_equal_fingerprint(
+    release_dirs, tmp_path, decisive
+):
+    from mixquant.keys.canonical import canonical_sha256
+
+    def run(published):
+        preimage = {"stage": "verify_hashes", "config": {"published": published}}
+        out = tmp_path / "results" / "verify_hashes" / canonical_sha256(preimage)
+        run_verify_hashes(out, **sources(release_dirs), settings={"published": published}, preimage=preimage)
+        return out
+
+    published = _published(release_dirs, ["reference_logits"], decisive)
+    with pytest.raises(HashMismatchError) as error:
+        run(published)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"published hash mismatch: reference_logits is {actual(release_dirs)['reference_logits']}"
+    )
+    assert "(numerical hash, reference_logits " in message
+    assert "numerics fingerprint equal to the published one (published.numerics)" in message
+    assert message.endswith("`mixquant verify --against PUBLISHED_LOGITS` says how close the logits are")
+
+    published = _published(release_dirs, ["quant_config"], _other_numerics(decisive))
+    with pytest.raises(
+        HashMismatchError, match=r"^published hash mismatch: quant_config is .*\(content hash, "
+    ) as error:
+        run(published)
+    assert "--against" not in str(error.value)  # a content mismatch has no logits to compare
+
+
+def test_the_rule_passes_a_numerical_mismatch_under_another_fingerprint_and_says_so(
+    release_dirs, tmp_path, decisive, capsys
+):
+    from mixquant.keys.canonical import canonical_sha256
+
+    published = _published(release_dirs, ["reference_logits"], _other_numerics(decisive))
+    preimage = {"stage": "verify_hashes", "config": {"published": published}}
+    out = tmp_path / "results" / "verify_hashes" / canonical_sha256(preimage)
+    run_verify_hashes(out, **sources(release_dirs), settings={"published": published}, preimage=preimage)
+    document = json.loads((out / "verify.json").read_text())
+    assert document["ok"] is False and document["passed"] is True
+    assert document["not_reproducible_bit_for_bit_here"] == ["reference_logits"]
+    assert document["numerics"]["status"] == DIFFERENT
+    assert document["hashes"]["reference_logits"]["kind"] == "numerical"
+    assert read_manifest(out)["summary"]["not_reproducible_bit_for_bit_here"] == ["reference_logits"]
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "mixquant: verify_hashes passed: reference_logits not reproducible bit for bit here"
+    )
+    assert "cpu_capability, libraries.torch" in line
+
+
+# ------------------------------------------------------------------ how close, from the published logits
+
+OURS_LOGITS = torch.tensor(
+    [[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [0.5, 0.5, 4.0, 0.0], [1.0, -1.0, 0.0, 2.0]]
+)
+THEIRS_LOGITS = torch.tensor(
+    [[0.0, 1.0, 3.5, 3.0], [3.0, 2.0, 1.0, 0.25], [0.5, 0.5, 4.0, 0.0], [2.5, -1.0, 0.0, 2.0]]
+)
+
+
+@pytest.fixture
+def two_logits(release_dirs, make_keyed_dir, reference_writer):
+    """Our reference logits (OURS_LOGITS) and the published ones (THEIRS_LOGITS) on a published dict."""
+    reference_writer(release_dirs["reference_logits"], OURS_LOGITS)
+    published = actual(release_dirs)
+    theirs_sha = reference_writer(make_keyed_dir("reference_logits", "theirs"), THEIRS_LOGITS)
+    published["reference_logits"] = theirs_sha
+    return published
+
+
+def _assert_closeness(comparison):
+    assert comparison["found"] and comparison["against_is_published"] is True
+    assert comparison["positions"] == 4
+    assert comparison["max_abs_diff"] == pytest.approx(1.5)
+    assert comparison["mean_kl"] == pytest.approx(_kl(THEIRS_LOGITS, OURS_LOGITS), rel=1e-6)
+    assert comparison["top1_agreement"] == pytest.approx(0.5)  # rows 0 and 3 change their top token
+
+
+def test_closeness_of_two_logits_files(release_dirs, two_logits, tmp_path):
+    bare = tmp_path / "downloaded" / "published.safetensors"
+    bare.parent.mkdir()
+    save_file({"logits": THEIRS_LOGITS}, str(bare))
+    report = verify_dirs(two_logits, **sources(release_dirs), against=bare)
+    comparison = report.logits_comparison
+    _assert_closeness(comparison)
+    assert comparison["against_file"] == str(bare)
+    assert comparison["engine_differences"] is None and comparison["against_numerics"] is None
+    assert report.numerics.status == UNKNOWN  # nothing beside a bare file says how it was made
+    text = format_report(report)
+    assert "max |diff| 1.5, mean KL(published || ours) " in text
+    assert "top-1 agreement 50.00% over 4 positions" in text
+    assert "recorded engine settings: none beside the published logits" in text
+    assert text.splitlines()[-1].startswith("FAILED: numerical mismatch: reference_logits (the published")
+
+
+def test_closeness_from_the_published_reference_found_under_results(release_dirs, two_logits):
+    report = verify_dirs(two_logits, **sources(release_dirs), results_dir=release_dirs["results"])
+    _assert_closeness(report.logits_comparison)
+    assert report.logits_comparison["engine_differences"] == []
+    # published.numerics is null: the published logits' own record stands in (here the same fingerprint)
+    assert report.numerics.status == EQUAL and "recorded beside the published logits" in (
+        report.numerics.published_source
+    )
+    assert not report.passed
+
+
+def test_a_release_directory_gives_the_published_logits_and_fingerprint(
+    release_dirs, two_logits, tmp_path, reference_writer, decisive
+):
+    release = tmp_path / "release"
+    (release / "reference").mkdir(parents=True)
+    reference_writer(release / "reference", THEIRS_LOGITS, numerics=None)
+    (release / "numerics.json").write_text(json.dumps(_other_numerics(decisive)))
+    report = verify_dirs(two_logits, **sources(release_dirs), against=release)
+    _assert_closeness(report.logits_comparison)
+    assert report.logits_comparison["against_file"] == str(release / "reference" / "logits.safetensors")
+    assert report.numerics.status == DIFFERENT and report.numerics.fields == [
+        "cpu_capability",
+        "libraries.torch",
+    ]
+    assert report.passed and not report.failures() and report.failures(strict=True)
+    text = format_report(report)
+    assert text.index("  differs   cpu_capability") < text.index("top-1 agreement 50.00%")
+    assert text.splitlines()[-1].startswith("passed: reference_logits not reproducible bit for bit here")
+
+
+def test_against_a_record_of_other_logits_is_refused(release_dirs, two_logits, tmp_path, reference_writer):
+    directory = tmp_path / "mixed"
+    directory.mkdir()
+    reference_writer(directory, OURS_LOGITS)
+    save_file({"logits": THEIRS_LOGITS}, str(directory / "logits.safetensors"))
+    with pytest.raises(VerifyInputError, match="hashes to .* but .*reference.json records"):
+        verify_dirs(two_logits, **sources(release_dirs), against=directory)
+
+
+def test_cli_exit_codes_strict_and_not(release_dirs, two_logits, tmp_path, monkeypatch, capsys, decisive):
+    import mixquant.cli as cli
+
+    def art(path):
+        return SimpleNamespace(path=path, done=True)
+
+    artifacts = {name: art(release_dirs[name]) for name in ("prompt", "reference_logits", "checkpoint")}
+    published = {**two_logits, "numerics": _other_numerics(decisive)}
+    monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(published=published, results_dir="r"))
+    monkeypatch.setattr(cli, "_artifacts", lambda cfg: artifacts)
+    assert cli.main(["verify"]) == 0
+    assert "not reproducible bit for bit here" in capsys.readouterr().out.splitlines()[-1]
+    assert cli.main(["verify", "--strict"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("FAILED: --strict: reference_logits")
+    assert cli.main(["verify", "--json", "--strict"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["strict"] is True and document["passed"] is True and document["ok"] is False
+    published["numerics"] = decisive  # the same fingerprint: the bits should have reproduced
+    assert cli.main(["verify"]) == 1
+    assert "numerics fingerprint equal to the published one" in capsys.readouterr().out
+    published["numerics"] = _other_numerics(decisive)
+    published["quant_config"] = "0" * 64  # a content mismatch fails whatever the fingerprints
+    assert cli.main(["verify"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "FAILED: content mismatch: quant_config"
+
+
+def test_reference_logits_record_the_fingerprint_verify_compares(release_dirs, small_laguna_config, tmp_path):
+    """The hf engine's fingerprint lands in reference.json, whose decisive part verify compares."""
+    from mixquant.calibration.tokens import save_token_ids
+    from mixquant.keys.canonical import canonical_sha256
+    from mixquant.kld.run import run_reference_logits
+    from mixquant.model import layout
+    from mixquant.numerics import fingerprint
+    from transformers import LagunaForCausalLM
+
+    torch.manual_seed(0)
+    model = LagunaForCausalLM(small_laguna_config())
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    (tmp_path / "model").mkdir()
+    layout.save_upstream_checkpoint(model, tmp_path / "model", num_shards=1)
+    engine = {"engine": "hf", "tensor_parallel_size": 1, "dtype": "bfloat16", "enforce_eager": True}
+    engine |= {"seed": 0, "enable_prefix_caching": False, "max_model_len": None}
+    preimage = {"stage": "reference_logits", "label": "fingerprint"}
+    reference = tmp_path / "results" / "reference_logits" / canonical_sha256(preimage)
+    settings = {"engine": engine, "kv_cache_dtype": "bfloat16", "threads": 1}
+    model_dir, prompt = tmp_path / "model", tmp_path / "results" / "pin_prompt" / ("7" * 64)
+    save_token_ids(prompt / "prompt.safetensors", torch.arange(4, 20), {})
+    run_reference_logits(reference, model=model_dir, prompt=prompt, settings=settings, preimage=preimage)
+    document = json.loads((reference / "reference.json").read_text())
+    assert document["numerics"] == document["engine"]["numerics"]
+    assert set(document["numerics"]) == {"decisive", "host"}
+    assert document["numerics"]["decisive"] == fingerprint()["decisive"]
+    dirs = {**sources(release_dirs), "prompt": prompt, "reference_logits": reference}
+    published = {**actual(dirs), "numerics": fingerprint()["decisive"]}
+    report = verify_dirs(published, **dirs)
+    assert report.ok and report.numerics.status == EQUAL
+
+
+def test_published_numerics_is_the_decisive_fingerprint(explicit_raw):
+    from mixquant.config import ConfigError
+    from mixquant.numerics import DECISIVE_FIELDS, fingerprint
+
+    assert set(fingerprint()["decisive"]) <= set(DECISIVE_FIELDS)  # what numerics.json ships is accepted
+    raw = copy.deepcopy(explicit_raw)
+    raw.setdefault("published", {})["numerics"] = {"device": "cpu", "cpu_capabilty": "AVX2"}
+    with pytest.raises(ConfigError, match=r"published.numerics.*unknown fingerprint field 'cpu_capabilty'"):
+        validate_config(raw)
+    raw["published"]["numerics"] = {"decisive": {"device": "cpu"}, "host": {}}
+    with pytest.raises(ConfigError, match="decisive part"):
+        validate_config(raw)
+    raw["published"]["numerics"] = fingerprint()["decisive"]
+    assert validate_config(raw).published.numerics == fingerprint()["decisive"]
 
 
 def test_stage_writes_verify_json_on_match_and_nothing_on_mismatch(release_dirs, tmp_path):
@@ -216,10 +552,11 @@ def test_published_moves_only_the_verify_key(explicit_raw):
     art = resolve_artifacts(validate_config(explicit_raw))
     base = {name: a.key for name, a in art.items()}
     downstream = {name for name, a in art.items() if a.stage in ("verify_hashes", "assemble_release")}
-    assert "verify" in downstream and len(base) - len(downstream) > 30
-    for name in HASH_NAMES:
+    assert "verify" in downstream and len(base) - len(downstream) > 20
+    pins = {name: "5" * 64 for name in HASH_NAMES} | {"numerics": {"device": "cpu", "profile": "native"}}
+    for name, value in pins.items():
         changed = copy.deepcopy(explicit_raw)
-        changed.setdefault("published", {})[name] = "5" * 64
+        changed.setdefault("published", {})[name] = value
         keys = _keys(changed)
         moved = {n for n in base if keys[n] != base[n]}
         assert "verify" in moved and moved <= downstream, (name, moved)

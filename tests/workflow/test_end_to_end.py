@@ -226,6 +226,7 @@ def test_truncated_source_shard_stops_with_one_line_and_leaves_nothing(built_wor
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     config = wd.config()
     config["model"] = {"source": "local", "local": {"path": str(broken)}, "moe_layers": "1-8"}
+    config["allow_outside_workdir"] = True  # the broken copy lives outside the workdir
     name = wd.write_config("config/broken.yaml", config)
     result = wd.snakemake("--configfile", name, "--keep-going", check=False)
     assert result.returncode != 0

@@ -20,7 +20,12 @@ DEFAULT_CONFIG = "config/config.yaml"
 
 
 def _load(args: argparse.Namespace) -> MixquantConfig:
-    return load_config_file(args.configfile)
+    """The validated config, checked for planning (paths, context, budget, layers) as Snakemake does."""
+    from mixquant.planning import check_plan
+
+    cfg = load_config_file(args.configfile)
+    check_plan(cfg, str(args.configfile))
+    return cfg
 
 
 def _artifacts(cfg: MixquantConfig):
@@ -33,16 +38,30 @@ def _artifacts(cfg: MixquantConfig):
 
 
 def cmd_paths(args: argparse.Namespace) -> int:
-    artifacts = _artifacts(_load(args))
-    table = {
-        name: {"key": art.key, "path": str(art.path), "done": art.done, "stage": art.stage}
-        for name, art in artifacts.items()
-    }
+    from mixquant.planning import artifact_state
+    from mixquant.rulelog import stage_log_path
+
+    cfg = _load(args)
+    artifacts = _artifacts(cfg)
+    table = {}
+    for name, art in artifacts.items():
+        state = artifact_state(art, cfg.results_dir)
+        row = {
+            "key": art.key,
+            "path": str(art.path),
+            "done": state == "done",
+            "state": state,
+            "stage": art.stage,
+        }
+        if state == "failed":
+            row["log"] = str(stage_log_path(cfg.results_dir, art.stage, art.key))
+        table[name] = row
     if args.json:
         print(json.dumps(table, indent=2))
     else:
         for name, row in table.items():
-            print(f"{name:22} {'done' if row['done'] else 'todo':4}  {row['path']}")
+            log = f"  (log: {row['log']})" if "log" in row else ""
+            print(f"{name:22} {row['state']:6}  {row['path']}{log}")
     return 0
 
 
@@ -129,9 +148,34 @@ def dry_run(configfile: str | None, extra: list[str], profile: str | None = None
         command += ["--configfile", configfile]
     result = subprocess.run(command + extra, capture_output=True, text=True)
     if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"snakemake -n failed: {tail[0]}")
+        raise RuntimeError(f"snakemake -n failed: {snakemake_error(result.stdout, result.stderr)}")
     return result.stdout + result.stderr
+
+
+# Snakemake's first stderr line, printed on every run: never the cause of a failure.
+_PROFILE_NOTE = "Using workflow specific profile"
+_EXCEPTION_LINE = re.compile(r"^\w*(?:Error|Exception): \S")
+
+
+def snakemake_error(stdout: str, stderr: str) -> str:
+    """The one line that says why a Snakemake run failed.
+
+    The Snakefile's own ``mixquant:`` line when there is one; else the last ``SomeError: message`` line
+    (a traceback's or a schema validation's, which Snakemake prints to stdout while its stderr holds only
+    the profile note); else the last line of stderr, or of stdout.
+    """
+    streams = [
+        [line.strip() for line in text.splitlines() if line.strip() and _PROFILE_NOTE not in line]
+        for text in (stderr, stdout)
+    ]
+    lines = streams[0] + streams[1]
+    ours = [line for line in lines if line.startswith("mixquant: ")]
+    if ours:
+        return ours[-1].removeprefix("mixquant: ")
+    for stream in streams:
+        if errors := [line for line in stream if _EXCEPTION_LINE.match(line)]:
+            return errors[-1]
+    return lines[-1] if lines else "(no output)"
 
 
 def _profile_uses_conda(profile: str) -> bool:
@@ -169,11 +213,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from mixquant.cluster import estimate_table, parse_dry_run_jobs
 
+    cfg = _load(args)  # the config's own error in one line, before Snakemake is started
     configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
     text = dry_run(configfile, args.snakemake_args, args.profile)
     plan = parse_dry_run(text)
     jobs = parse_dry_run_jobs(text)
-    estimates = plan_estimates(_load(args), jobs) if plan else []
+    estimates = plan_estimates(cfg, jobs) if plan else []
     if args.json:
         print(
             json.dumps(
@@ -254,6 +299,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for role, up in upstream.items():
         if not up.done:
             raise ValueError(f"{art.name}: upstream {role} ({up.stage}) is not built yet: {up.path}")
+    numerics = art.settings.get("numerics")
+    if numerics:  # the same CPU numerics profile as the rule's job, entered before the stage imports torch
+        from mixquant.numerics import enter
+
+        enter(numerics["profile"], numerics["threads"])
     module, function = STAGE_RUNNERS[art.stage].split(":")
     runner = getattr(importlib.import_module(module), function)
     paths = {role: up.path for role, up in upstream.items()}
@@ -265,14 +315,51 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """The published hashes re-derived from this config's artifacts: 0 when none mismatches, else 1."""
+    """The published hashes re-derived from this config's artifacts: 0 when the policy passes, else 1.
+
+    The policy of verify_hashes (mixquant.release.verify): a content mismatch fails, a numerical one
+    only under an equal (or unknown) numerics fingerprint; with --strict any mismatch fails.
+    """
     from mixquant.release.verify import format_report, verify_artifacts
 
     cfg = _load(args)
     artifacts = _artifacts(cfg)
     report = verify_artifacts(artifacts, cfg.published, results_dir=cfg.results_dir, against=args.against)
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
-    return 0 if report.ok else 1
+    if args.json:
+        print(json.dumps({**report.to_json(), "strict": args.strict}, indent=2))
+    else:
+        print(format_report(report, strict=args.strict))
+    return 1 if report.failures(strict=args.strict) else 0
+
+
+# --------------------------------------------------------------------------------- the embedded toy
+
+
+def cmd_pin_model(args: argparse.Namespace) -> int:
+    """The content pin (model.local.sha256) of a local model directory."""
+    from mixquant.model.fetch import identity_sha256, local_dir_identity
+
+    print(identity_sha256(local_dir_identity(args.directory)))
+    return 0
+
+
+def cmd_build_toy(args: argparse.Namespace) -> int:
+    """Retrain the embedded toy from the config's model.toy settings into a new directory; print its pin."""
+    from mixquant.keys.artifacts import dataset_settings
+    from mixquant.numerics import enter
+
+    cfg = _load(args)
+    enter(cfg.numerics.cpu, cfg.numerics.threads)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from mixquant.model.run import build_embedded_toy
+
+    pin = build_embedded_toy(
+        args.out, toy=cfg.model.toy.model_dump(mode="json"), corpus=dataset_settings(cfg)
+    )
+    print(f"{args.out}: model.local.sha256 {pin}")
+    return 0
 
 
 # --------------------------------------------------------------------------------- inspect, predict
@@ -330,7 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--configfile", default=DEFAULT_CONFIG, help="workflow config (default: %(default)s)")
         return p
 
-    p = with_config(sub.add_parser("paths", help="key, path and state of every artifact"))
+    p = with_config(
+        sub.add_parser("paths", help="key, path and state (done, failed, todo) of every artifact")
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_paths)
 
@@ -359,11 +448,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--against",
-        metavar="DIR",
-        help="on a reference-logits mismatch, compare with this reference_logits output "
-        "(default: one under results/reference_logits/ with the published hash)",
+        metavar="PATH",
+        help="on a reference-logits mismatch, compare with these published logits: a reference_logits "
+        "output, a release directory (reference/logits.safetensors) or a logits.safetensors file "
+        "(default: a reference_logits output under results/ with the published hash)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on any mismatch, also on reference logits that are not reproducible bit for bit here "
+        "(a different numerics fingerprint)",
     )
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("pin-model", help="print a local model directory's content pin (model.local.sha256)")
+    p.add_argument("directory", help="the model directory")
+    p.set_defaults(func=cmd_pin_model)
+
+    p = with_config(
+        sub.add_parser("build-toy", help="retrain the embedded toy (model.toy settings) into a new directory")
+    )
+    p.add_argument("out", help="a directory that does not exist yet, e.g. data/toy-laguna-new")
+    p.set_defaults(func=cmd_build_toy)
 
     p = sub.add_parser("inspect", help="audit a ModelOpt checkpoint directory (any producer)")
     p.add_argument("directory")

@@ -33,7 +33,8 @@ def engine_gpus(cfg: MixquantConfig, stage: str) -> int:
 
 
 def job_shape(art: Artifact) -> dict[str, Any]:
-    """The cost-model arguments of one job: its format and, for a score job, its number of layers."""
+    """The cost-model arguments of one job: its format and, for a quantize_layer window or a score job,
+    its number of layers."""
     settings = art.settings or {}
     layers = settings.get("layers")
     return {"fmt": settings.get("format"), "layers": len(layers) if isinstance(layers, list) else 1}

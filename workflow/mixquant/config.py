@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mixquant.model.toy_settings import ToyArchitecture, ToyTokenizer, ToyTraining
+from mixquant.model.toy_settings import ToyArchitecture, ToyOutliers, ToyTokenizer, ToyTraining
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 COMMIT_PATTERN = r"^[0-9a-f]{40}$"
@@ -66,12 +66,26 @@ class HubPin(Strict):
 
 class LocalModel(Strict):
     path: str = Field(description="Directory of a Hugging Face model (config.json, safetensors shards).")
+    sha256: Sha256 | None = Field(
+        default=None,
+        description="Content pin: SHA-256 of the directory's file inventory (every file's path, size and "
+        "SHA-256; `mixquant pin-model DIR` prints it). Planning stops when the directory differs.",
+    )
+    toy: bool = Field(
+        default=False,
+        description="The directory is the embedded toy Laguna made by build_toy_model (the model card says "
+        "so); the default config ships it in data/toy-laguna.",
+    )
 
 
 class ToyModel(Strict):
     arch: ToyArchitecture = Field(default_factory=ToyArchitecture, description="Toy Laguna geometry.")
     tokenizer: ToyTokenizer = Field(default_factory=ToyTokenizer, description="Toy BPE tokenizer.")
     training: ToyTraining = Field(default_factory=ToyTraining, description="Toy training run.")
+    outliers: ToyOutliers = Field(
+        default_factory=ToyOutliers,
+        description="Outlier channels applied after training so that MoE layers differ in NVFP4 sensitivity.",
+    )
     seed: int = Field(
         default=0, description="Seed for initialisation and data order (training is deterministic)."
     )
@@ -323,6 +337,13 @@ class QuantizeSection(Strict):
     activation_batch_size: int = Field(
         default=8, ge=1, description="Sequences per forward when collecting activation statistics."
     )
+    layers_per_job: int | None = Field(
+        default=None,
+        ge=1,
+        description="MoE layers per quantize_layer job, in fixed windows of the MoE layer list (one job "
+        "quantizes its window's every layer in one format); null: all MoE layers in one job per format. "
+        "1 gives the widest cluster fan-out.",
+    )
 
 
 class ExportSection(Strict):
@@ -454,6 +475,32 @@ class PublishedHashes(Strict):
     safetensors_index: Sha256 | None = Field(
         default=None, description="SHA-256 of the exported model.safetensors.index.json's bytes."
     )
+    numerics: dict[str, Any] | None = Field(
+        default=None,
+        description="The decisive numerics fingerprint the published reference logits were made under (a "
+        "release's numerics.json: device, profile, threads, cpu_capability, mkl_cbwr, mkldnn, libraries, "
+        "python). A reference-logits mismatch under a different fingerprint is reported 'not reproducible "
+        "bit for bit here' and passes (`mixquant verify --strict` fails); under an equal one, or with null "
+        "(unknown), it fails.",
+    )
+
+    @field_validator("numerics")
+    @classmethod
+    def _decisive_fingerprint(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A mistyped field would make the fingerprints differ and so excuse a logits mismatch: refuse it.
+        from mixquant.numerics import DECISIVE_FIELDS
+
+        if value is None:
+            return None
+        if "decisive" in value:
+            raise ValueError("give the fingerprint's decisive part (a release's numerics.json), not all")
+        unknown = sorted(set(value) - set(DECISIVE_FIELDS))
+        if unknown:
+            known = ", ".join(DECISIVE_FIELDS)
+            raise ValueError(f"unknown fingerprint field {unknown[0]!r} (known: {known})")
+        if "device" not in value:
+            raise ValueError("the fingerprint names no device")
+        return value
 
 
 class PlacementCounts(Strict):
@@ -492,6 +539,25 @@ class ReleaseSection(Strict):
     )
 
 
+# -------------------------------------------------------------------------------------- numerics
+
+
+class NumericsSection(Strict):
+    cpu: Literal["portable", "native"] = Field(
+        default="portable",
+        description="CPU numerics profile of every process that computes on CPU (mixquant.numerics): "
+        "portable pins ATen's CPU capability (AVX2), oneDNN off, MKL_CBWR=COMPATIBLE and the thread count, "
+        "so any x86-64 host with AVX2 (Intel or AMD, with or without AVX512) gives the same bits; native "
+        "leaves the host's defaults (faster; the host's ISA then enters the keys). GPU runs are unaffected.",
+    )
+    threads: int = Field(
+        default=1,
+        ge=1,
+        description="Intra-op threads of every computing process (torch, OpenMP, MKL); part of the profile "
+        "and of the keys. One thread per job lets Snakemake run jobs side by side.",
+    )
+
+
 # ------------------------------------------------------------------------------------------ root
 
 
@@ -500,6 +566,13 @@ class MixquantConfig(Strict):
 
     results_dir: str = Field(
         default="results", description="Where keyed outputs land (relative to the workdir)."
+    )
+    allow_outside_workdir: bool = Field(
+        default=False,
+        description="Allow config paths (results_dir, model.local.path, model.geometry, dataset.local.path, "
+        "prompt.token_ids_file, kld.candidates[].local.path) outside the working directory: an absolute "
+        "path elsewhere, '..' climbing out, or a symlink below a top-level entry leading out. Off: "
+        "planning refuses such a path with one line naming the key.",
     )
     model: ModelSection = Field(default_factory=ModelSection, description="The BF16 source model.")
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Tokenizer source.")
@@ -512,6 +585,9 @@ class MixquantConfig(Strict):
     quantize: QuantizeSection = Field(default_factory=QuantizeSection, description="Rebuild numerics.")
     export: ExportSection = Field(default_factory=ExportSection, description="The exported checkpoint.")
     kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
+    numerics: NumericsSection = Field(
+        default_factory=NumericsSection, description="CPU numerics profile (same bits on any AVX2 host)."
+    )
     published: PublishedHashes = Field(
         default_factory=PublishedHashes,
         description="Published SHA-256 values: `mixquant verify` and verify_hashes compare with them "
@@ -581,7 +657,10 @@ def load_config_file(path: str | Path) -> MixquantConfig:
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML: {problem}{where}") from None
     return validate_config(raw or {}, str(path))
 
 

@@ -450,8 +450,9 @@ def stage_cost(
     """Resources of one job of ``stage`` (formulas: README "Cluster cost model").
 
     ``gpus``: GPUs the job gets (0: a CPU job); ``fmt``: quantize_layer / score_sensitivity format;
-    ``layers``: MoE layers in a score_sensitivity job (its first MoE layers: the longest suffixes);
-    ``candidate``: run_kld's candidate name (default: the first).
+    ``layers``: MoE layers in a quantize_layer window or a score_sensitivity job (for scoring, its first
+    MoE layers: the longest suffixes); ``candidate``: run_kld's candidate name (default: the first). A
+    run_kld job does all ``kld.runs`` runs.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
@@ -522,7 +523,7 @@ def stage_cost(
         written = _activation_stats_bytes(geometry)
         if gpus:
             notes.append("computes on CPU: run_collect_activation_stats passes no device")
-    elif stage == "quantize_layer":
+    elif stage == "quantize_layer":  # one window of ``layers`` MoE layers, one after the other
         fmt = fmt or "nvfp4_w4a16"
         params = {
             "nvfp4_w4a16": f"nvfp4_w4a16:{cfg.quantize.nvfp4_w4a16.calibration}",
@@ -530,12 +531,14 @@ def stage_cost(
             "bf16": "bf16",
         }[fmt]
         result = _layer_result_bytes(geometry, fmt)
-        read = geometry.routed_bytes_per_layer
-        written = result + 3 * geometry.num_experts * _AUDIT_BYTES_PER_TENSOR
-        compute_s = geometry.routed_params_per_layer / (
-            hw.cpu_quantize_elements_per_s_per_core[params] * cpus
+        read = layers * geometry.routed_bytes_per_layer
+        written = layers * (result + 3 * geometry.num_experts * _AUDIT_BYTES_PER_TENSOR)
+        compute_s = (
+            layers
+            * geometry.routed_params_per_layer
+            / (hw.cpu_quantize_elements_per_s_per_core[params] * cpus)
         )
-        # the growing result, safetensors' save_file copy of it (bytes per tensor), per-expert temporaries
+        # one layer at a time: the growing result, safetensors' save_file copy of it, per-expert temporaries
         host += 2 * result + _QUANTIZE_TEMP_BYTES
     elif stage == "score_sensitivity":
         fmt = fmt or "nvfp4_w4a16"
@@ -586,7 +589,10 @@ def stage_cost(
         host += 256 * MIB  # headers and records only: tensor bytes are copied file to file
         notes.append("placement " + ", ".join(f"{f}={n}" for f, n in counts.items()))
     elif stage in ("reference_logits", "run_kld"):
+        # run_kld: one job does every run, each with a fresh engine (vllm: a fresh process per run), so
+        # the per-run load, forward and statistics repeat; the peak is one run's
         engine = cfg.kld.engine
+        runs = cfg.kld.runs if stage == "run_kld" else 1
         if stage == "reference_logits":
             checkpoint, what = model_bytes, "the BF16 model"
         else:
@@ -626,6 +632,13 @@ def stage_cost(
             else:
                 compute_s += flops / cpu_flops
             host += prompt_len * geometry.vocab_size * 2  # logits [1, T, V] bf16
+        if runs > 1:
+            per_process = startup if engine == "vllm" else 0.0  # a vllm run's own process and engine
+            startup += (runs - 1) * per_process
+            # the prompt (and, for hf, the reference logits) is read once per job
+            once = prompt_len * 4 + (logits_bytes if engine == "hf" else 0)
+            read = once + runs * (read - once)
+            written, hashed, compute_s = runs * written, runs * hashed, runs * compute_s
     elif stage == "gate_kld":
         positions = prompt_len - 1
         runs = cfg.kld.runs * (2 if cfg.kld.baseline else 1)
@@ -714,12 +727,13 @@ def cost_table_markdown(cfg: MixquantConfig, geometry: Geometry, hardware: Hardw
     ]
     rows.append("|---|---|---|---|---|---|---|---|---|")
     layers = cfg.placement.search.layers_per_job
+    window = cfg.quantize.layers_per_job or len(geometry.moe_layers)
     jobs: list[tuple[str, str, dict[str, Any]]] = []
     for stage in STAGES:
         if stage == ("build_toy_model" if cfg.model.source != "toy" else "fetch_model"):
             continue
         if stage == "quantize_layer":
-            jobs += [(stage, f"{stage} {fmt}", {"fmt": fmt}) for fmt in FORMATS]
+            jobs += [(stage, f"{stage} {fmt} x{window}", {"fmt": fmt, "layers": window}) for fmt in FORMATS]
         elif stage == "score_sensitivity":
             jobs += [
                 (stage, f"{stage} {fmt} x{layers}", {"fmt": fmt, "layers": layers})

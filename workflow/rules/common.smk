@@ -12,17 +12,20 @@ from mixquant.cluster import (
 )
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
+from mixquant.planning import check_plan, report_run_end
+from mixquant.numerics import apply_environment as apply_numerics_environment
 
 SELECTED_CONFIG = select_workflow_config(
     config, workflow.overwrite_configfiles, workflow.config_settings.overwrite_config
 )
+CONFIG_SOURCE = (
+    " ".join(map(str, workflow.overwrite_configfiles)) or "config/config.yaml"
+)
 try:
-    # One line naming the key first; then the committed JSON schema, as Snakemake users expect.
-    CFG = validate_config(
-        SELECTED_CONFIG,
-        source=" ".join(map(str, workflow.overwrite_configfiles))
-        or "config/config.yaml",
-    )
+    # One line naming the key first (the config, then what planning can check: paths, context,
+    # budget, layers); then the committed JSON schema, as Snakemake users expect.
+    CFG = validate_config(SELECTED_CONFIG, source=CONFIG_SOURCE)
+    check_plan(CFG, CONFIG_SOURCE)
 except ConfigError as error:
     sys.exit(f"mixquant: {error}")
 validate(
@@ -30,6 +33,10 @@ validate(
     workflow.source_path("../schemas/config.schema.json"),
     set_default=False,
 )
+
+# The CPU numerics profile, set before any job imports torch: every job process inherits it (and
+# checks that it took effect, mixquant.numerics.enter), whatever the shell exported.
+apply_numerics_environment(CFG.numerics.cpu, CFG.numerics.threads)
 
 HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
 
@@ -45,10 +52,15 @@ onstart:
 
 onsuccess:
     release_run_owner()
+    # where the release and the checkpoint are
+    for line in report_run_end(CFG, HASH_CACHE, succeeded=True):
+        print(line, file=sys.stderr)
 
 
 onerror:
     release_run_owner()
+    for line in report_run_end(CFG, HASH_CACHE, succeeded=False):
+        print(line, file=sys.stderr)
 
 
 ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)

@@ -1,5 +1,6 @@
-# KLD gates: BF16 reference logits on the pinned prompt, one fresh-engine run per (candidate, KV
-# dtype, run), a gate per (candidate, KV dtype), the comparison report and the verdict.
+# KLD gates: BF16 reference logits on the pinned prompt; per (candidate, KV dtype) one run_kld job doing
+# every run with a fresh engine (hf: a new engine object; vllm: a new process per run) and a gate; the
+# comparison report and the verdict.
 
 
 rule reference_logits:
@@ -29,7 +30,7 @@ rule run_kld:
     input:
         unpack(keyed_inputs),
     output:
-        run=directory(f"{CFG.results_dir}/run_kld/{{key}}"),
+        runs=directory(f"{CFG.results_dir}/run_kld/{{key}}"),
     log:
         f"{CFG.results_dir}/logs/run_kld/{{key}}.log",
     benchmark:

@@ -1,5 +1,6 @@
-# Rebuild from BF16: activation statistics, then one job per (MoE layer, format) of the placement,
-# each cached under a key of exactly what it depends on (model, layer, format, format params).
+# Rebuild from BF16: activation statistics, then one quantize_layer job per (format, fixed window of
+# quantize.layers_per_job MoE layers), keyed by what its layers depend on (model, layers, format, params;
+# + activation stats for FP8), never by the placement; export and scoring read its layer_<L>/ subdirs.
 
 
 rule collect_activation_stats:
@@ -28,7 +29,7 @@ rule quantize_layer:
     input:
         unpack(keyed_inputs),
     output:
-        layer=directory(f"{CFG.results_dir}/quantize_layer/{{key}}"),
+        layers=directory(f"{CFG.results_dir}/quantize_layer/{{key}}"),
     log:
         f"{CFG.results_dir}/logs/quantize_layer/{{key}}.log",
     benchmark:

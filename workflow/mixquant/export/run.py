@@ -73,11 +73,15 @@ def run_export_checkpoint(
     preimage: dict[str, Any],
     **layers: str | Path,
 ) -> Path:
-    """Assemble, shard and audit the ModelOpt MIXED_PRECISION checkpoint (`layers`: layer_L -> dir)."""
+    """Assemble, shard and audit the ModelOpt MIXED_PRECISION checkpoint (`layers`: layer_L -> the
+    quantize_layer window holding layer L in its placed format)."""
     from mixquant.export.checkpoint import export_checkpoint
+    from mixquant.quantize.run import layer_result_dir
 
     placement = {int(layer): fmt for layer, fmt in settings["placement"].items()}
-    layer_dirs = {layer: (fmt, Path(layers[f"layer_{layer}"])) for layer, fmt in placement.items()}
+    layer_dirs = {
+        layer: (fmt, layer_result_dir(layers[f"layer_{layer}"], layer)) for layer, fmt in placement.items()
+    }
     export = settings["export"]
     kv_amax = None
     if export["kv_cache_quant"]:

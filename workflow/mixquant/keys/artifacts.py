@@ -20,7 +20,8 @@ from mixquant.config import MixquantConfig, parse_layer_ranges
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST
-from mixquant.keys.stages import stage_preimage
+from mixquant.keys.stages import computes_on_cpu, stage_preimage
+from mixquant.numerics import key_identity
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class _Graph:
         self, name: str, stage: str, config_slice: Any, settings: dict, upstream: dict[str, str]
     ) -> Artifact:
         upstream_keys = {role: self.artifacts[target].key for role, target in upstream.items()}
+        if computes_on_cpu(stage):
+            # the CPU numerics profile decides this stage's numbers: it enters the key, and the job
+            # enters it before torch is imported (mixquant.numerics)
+            numerics = self.cfg.numerics
+            config_slice = {**config_slice, "numerics": key_identity(numerics.cpu, numerics.threads)}
+            settings = {**settings, "numerics": {"profile": numerics.cpu, "threads": numerics.threads}}
         preimage = stage_preimage(stage, config_slice, upstream_keys)
         key = canonical_sha256(preimage)
         artifact = Artifact(
@@ -77,6 +84,11 @@ def _dataset_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
     return identity, settings
 
 
+def dataset_settings(cfg: MixquantConfig) -> dict:
+    """What the stages that read the chat dataset need to load it (paths included)."""
+    return _dataset_identity(cfg)[1]
+
+
 def _model_artifact(graph: _Graph) -> None:
     model = graph.cfg.model
     if model.source == "toy":
@@ -94,18 +106,25 @@ def _model_artifact(graph: _Graph) -> None:
         _fetch_artifact(graph, "model", model.hub.model_dump(mode="json"), None, model.trust_remote_code)
     else:
         assert model.local is not None
-        _fetch_artifact(graph, "model", None, model.local.path, False)
+        _fetch_artifact(graph, "model", None, model.local.path, False, pin=model.local.sha256)
 
 
-def _fetch_artifact(graph: _Graph, name: str, hub: dict | None, local: str | None, remote_code: bool) -> None:
+def _fetch_artifact(
+    graph: _Graph, name: str, hub: dict | None, local: str | None, remote_code: bool, pin: str | None = None
+) -> None:
     """A checkpoint pinned by hub revision or by the content of a local directory (fetch_model)."""
     if hub is not None:
         pin = {"source": "hub", **hub, "trust_remote_code": remote_code}
         graph.add(name, "fetch_model", pin, pin, {})
         return
-    from mixquant.model.fetch import local_dir_identity
+    from mixquant.model.fetch import identity_sha256, local_dir_identity
 
     files = local_dir_identity(local, cache_dir=graph.hash_cache_dir)
+    if pin is not None and identity_sha256(files) != pin:
+        raise ValueError(
+            f"model.local.sha256: {local} has content {identity_sha256(files)[:12]}..., pinned "
+            f"{pin[:12]}... (a file changed, or the pin is stale: `mixquant pin-model {local}` prints it)"
+        )
     graph.add(
         name, "fetch_model", {"source": "local", "files": files}, {"source": "local", "path": local}, {}
     )
@@ -211,8 +230,26 @@ def _explicit_map(cfg: MixquantConfig, explicit: Any) -> dict[int, str]:
     return placement
 
 
-def layer_artifact_name(layer: int, fmt: str) -> str:
-    return f"layer/{layer}/{fmt}"
+def quantize_windows(cfg: MixquantConfig) -> list[list[int]]:
+    """The fixed windows of MoE layers that quantize_layer jobs cover (``quantize.layers_per_job`` each;
+    null: one window of every MoE layer). Fixed by layer index, never by the placement."""
+    layers = moe_layers(cfg)
+    size = cfg.quantize.layers_per_job or len(layers)
+    return [layers[i : i + size] for i in range(0, len(layers), size)]
+
+
+def quantize_window(cfg: MixquantConfig, layer: int) -> list[int]:
+    """The window of MoE layers whose quantize_layer job holds ``layer``."""
+    for window in quantize_windows(cfg):
+        if layer in window:
+            return window
+    raise ValueError(f"layer {layer} is not a MoE layer {moe_layers(cfg)}")
+
+
+def layer_artifact_name(cfg: MixquantConfig, layer: int, fmt: str) -> str:
+    """The quantize_layer artifact holding MoE ``layer`` in ``fmt``: its window's job in that format."""
+    window = quantize_window(cfg, layer)
+    return f"layers/{fmt}/{window[0]}-{window[-1]}"
 
 
 def _activation_artifact(graph: _Graph) -> None:
@@ -235,26 +272,37 @@ def rebuild_params(cfg: MixquantConfig, fmt: str) -> dict[str, Any]:
     }[fmt]
 
 
-def _layer_artifact(graph: _Graph, name: str, layer: int, fmt: str, params: dict[str, Any]) -> str:
-    """One quantize_layer artifact: its key holds only the model, layer, format and that format's params
-    (and, for FP8 W8A8, the activation statistics), so placements and the search share results."""
-    layer_slice = {"layer": layer, "format": fmt, "params": params}
-    upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
-    graph.add(name, "quantize_layer", layer_slice, layer_slice, upstream)
+def _layer_artifact(graph: _Graph, layer: int, fmt: str) -> str:
+    """The quantize_layer artifact holding ``layer`` in ``fmt`` (added once, shared by every consumer).
+
+    One job per (format, window of MoE layers): it quantizes every layer of its window in that format,
+    needed by this plan or not, so its key -- the format, that format's params, the window's layers, the
+    model (and, for FP8 W8A8, the activation statistics) -- is exactly the union of what its layer x
+    format results depend on, and never the placement. A new placement or budget therefore reuses every
+    window already computed, and an NVFP4 knob moves only NVFP4 windows.
+    """
+    cfg = graph.cfg
+    name = layer_artifact_name(cfg, layer, fmt)
+    if name not in graph.artifacts:
+        window_slice = {
+            "format": fmt,
+            "layers": quantize_window(cfg, layer),
+            "params": rebuild_params(cfg, fmt),
+        }
+        upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
+        graph.add(name, "quantize_layer", window_slice, window_slice, upstream)
     return name
 
 
 def _rebuild_artifacts(graph: _Graph, placement: dict[int, str]) -> None:
-    """One quantize_layer artifact per (MoE layer, format) placed.
+    """The quantize_layer windows that hold the placed (MoE layer, format) results.
 
-    A layer x format key holds only what that result depends on: the source model, the layer,
-    the format and that format's parameters (and, for FP8 W8A8, the activation statistics). So a
-    new placement reuses every layer x format already computed and an NVFP4 knob moves only NVFP4
-    keys. The source model enters by its key, which covers every layer's weights (conservative:
-    a change to one layer's weights reruns all layers).
+    Each layer x format result is the ``layer_<L>`` subdirectory of its window's output
+    (:func:`mixquant.quantize.run.layer_result_dir`). The source model enters by its key, which covers
+    every layer's weights (conservative: a change to one layer's weights reruns all windows).
     """
     for layer, fmt in sorted(placement.items()):
-        _layer_artifact(graph, layer_artifact_name(layer, fmt), layer, fmt, rebuild_params(graph.cfg, fmt))
+        _layer_artifact(graph, layer, fmt)
 
 
 PLACEMENT_FILE = "placement.json"
@@ -302,9 +350,7 @@ def _search_artifacts(graph: _Graph) -> None:
         upstream = {"model": "model", "calibration": "calibration"}
         if search.calibration == "rebuild":  # the very layer x format results the rebuild ships
             for layer in layers:
-                name = layer_artifact_name(layer, fmt)
-                params = rebuild_params(cfg, fmt)
-                upstream[f"layer_{layer}"] = _layer_artifact(graph, name, layer, fmt, params)
+                upstream[f"layer_{layer}"] = _layer_artifact(graph, layer, fmt)
         elif fmt == "fp8":  # ModelOpt's own fake quant from the BF16 weights; FP8 inputs need amax
             upstream["activations"] = "activations"
         score_slice = {
@@ -348,7 +394,7 @@ def _export_artifact(graph: _Graph, placed: dict[int, str], name: str = "checkpo
     }
     upstream = {"model": "model"}
     upstream.update(
-        {f"layer_{layer}": layer_artifact_name(int(layer), fmt) for layer, fmt in placement.items()}
+        {f"layer_{layer}": layer_artifact_name(cfg, int(layer), fmt) for layer, fmt in placement.items()}
     )
     if export["kv_cache_quant"]:
         upstream["activations"] = "activations"
@@ -391,12 +437,14 @@ def _candidate_artifact(graph: _Graph, candidate: Any, placed: bool) -> str | No
 
 
 def _kld_artifacts(graph: _Graph, placed: bool) -> None:
-    """Reference logits; per (candidate, KV dtype, run) a run_kld job; per (candidate, KV dtype) a gate;
+    """Reference logits; per (candidate, KV dtype) a run_kld job doing all ``kld.runs`` runs and a gate;
     then the report and the verdict once every candidate is known.
 
-    A run's key holds the engine settings, the KV dtype, the run index and the keys of the reference, the
-    prompt and the candidate's checkpoint -- not the candidate's name, so a renamed candidate keeps its
-    runs. Gates hold the gate settings and the keys of their runs (and the baseline's runs).
+    A run_kld key holds the engine settings, the KV dtype, the number of runs and the keys of the
+    reference, the prompt and the candidate's checkpoint -- not the candidate's name, so a renamed
+    candidate keeps its runs. Each run is a fresh engine (a fresh process with vLLM) and keeps its own
+    results under ``runs/<i>/`` (:mod:`mixquant.kld.run`). Gates hold the gate settings and the keys of
+    their runs (and the baseline's runs).
     """
     cfg = graph.cfg
     kld = cfg.kld
@@ -413,25 +461,22 @@ def _kld_artifacts(graph: _Graph, placed: bool) -> None:
         if sources[candidate.name] is None:
             continue
         for kv in kld.kv_cache_dtypes:
-            for run in range(kld.runs):
-                run_slice = {"engine": engine, "kv_cache_dtype": kv, "run": run}
-                upstream = {
-                    "reference": "reference_logits",
-                    "prompt": "prompt",
-                    "candidate": sources[candidate.name],
-                }
-                graph.add(f"kld/{candidate.name}/{kv}/{run}", "run_kld", run_slice, run_slice, upstream)
+            runs_slice = {"engine": engine, "kv_cache_dtype": kv, "runs": kld.runs}
+            upstream = {
+                "reference": "reference_logits",
+                "prompt": "prompt",
+                "candidate": sources[candidate.name],
+            }
+            graph.add(f"kld/{candidate.name}/{kv}", "run_kld", runs_slice, runs_slice, upstream)
     gated = kld.gates.gated or [c.name for c in kld.candidates if c.name != kld.baseline]
     for candidate in kld.candidates:
         baseline = kld.baseline if kld.baseline not in (None, candidate.name) else None
         if sources[candidate.name] is None or (baseline is not None and sources[baseline] is None):
             continue
         for kv in kld.kv_cache_dtypes:
-            upstream = {f"run_{run}": f"kld/{candidate.name}/{kv}/{run}" for run in range(kld.runs)}
+            upstream = {"runs": f"kld/{candidate.name}/{kv}"}
             if baseline is not None:
-                upstream.update(
-                    {f"baseline_run_{run}": f"kld/{baseline}/{kv}/{run}" for run in range(kld.runs)}
-                )
+                upstream["baseline_runs"] = f"kld/{baseline}/{kv}"
             gates = kld.gates.model_dump(mode="json")
             gates.pop("gated")
             gate_slice = {
@@ -439,7 +484,9 @@ def _kld_artifacts(graph: _Graph, placed: bool) -> None:
                 "source": candidate.source,
                 "kv_cache_dtype": kv,
                 "baseline": baseline,
-                "gated": candidate.name in gated,
+                # the BF16 self-check has its own gates: exactly 0 with BF16 KV (require_exact_zero); with
+                # FP8 KV it measures the KV cache's own effect, which is no improvement over any baseline
+                "gated": candidate.name in gated and candidate.source != "bf16",
                 "gates": gates,
                 # the BF16 self-check must be exactly 0 where the engine is exact (hf, BF16 KV)
                 "require_exact_zero": candidate.source == "bf16" and kv == "bfloat16" and kld.engine == "hf",

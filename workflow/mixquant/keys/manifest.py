@@ -8,7 +8,6 @@ leaves at most a ``.tmp-*`` directory, never a half-written keyed one.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import os
@@ -46,27 +45,59 @@ def file_inventory(directory: Path) -> dict[str, dict[str, Any]]:
     return inventory
 
 
-def environment_record() -> dict[str, Any]:
-    from mixquant.keys.stages import installed_versions
+# Summary entries that describe one run rather than the content (timings, rates): logged, never written,
+# so that a keyed directory's bytes, manifest included, are the same on every machine and every run.
+RUN_FACTS = frozenset(
+    {"seconds", "engine_seconds", "stats_seconds", "timings_s", "write_rate_bytes_per_s", "created_utc"}
+)
 
-    return {
+
+def environment_record() -> dict[str, Any]:
+    """The software and numerics that produced an output: the same on every host of one kind.
+
+    Host facts (CPU model, kernel, time) are not recorded here: they would make two machines' bytes
+    differ; the numerics fingerprint's decisive part says what decides the bits.
+    """
+    import sys
+
+    from mixquant.keys.stages import installed_versions
+    from mixquant.numerics import requested
+
+    record: dict[str, Any] = {
         "python": platform.python_version(),
-        "platform": platform.platform(),
+        "machine": platform.machine(),
         "packages": installed_versions(),
     }
+    profile, threads = requested()
+    if "torch" in sys.modules:  # this process computed: its effective numerics
+        from mixquant.numerics import fingerprint
+
+        record["numerics"] = fingerprint()["decisive"]
+    else:
+        record["numerics"] = {"profile": profile, "threads": threads, "torch_imported": False}
+    return record
+
+
+def split_run_facts(summary: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(content facts, run facts) of a stage summary (see RUN_FACTS)."""
+    summary = dict(summary or {})
+    facts = {name: summary.pop(name) for name in sorted(set(summary) & RUN_FACTS)}
+    return summary, facts
 
 
 def write_manifest(directory: Path, preimage: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
     key = canonical_sha256(preimage)
+    content, facts = split_run_facts(extra)
+    if facts:
+        log.info("%s run facts: %s", directory.name, json.dumps(facts, sort_keys=True, default=str))
     manifest = {
         "key": key,
         "preimage": preimage,
         "files": file_inventory(directory),
         "environment": environment_record(),
-        "created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    if extra:
-        manifest["summary"] = extra
+    if content:
+        manifest["summary"] = content
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", "utf-8")
     return manifest
 

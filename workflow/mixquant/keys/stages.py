@@ -151,6 +151,11 @@ def installed_versions(names: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, 
     return versions
 
 
+def computes_on_cpu(stage: str) -> bool:
+    """Whether torch computes this stage's numbers (so the CPU numerics profile decides them)."""
+    return "torch" in STAGES[stage].numerics_packages
+
+
 def stage_preimage(stage: str, config_slice: Any, upstream: dict[str, str]) -> dict[str, Any]:
     """The full key preimage of one stage run (its SHA-256 is the key)."""
     spec = STAGES[stage]

@@ -477,13 +477,15 @@ class HfEngine:
         return logits[0, :-1].float().cpu()
 
     def info(self) -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError, version
+
         import transformers
 
-        try:
-            import modelopt
+        from mixquant.numerics import fingerprint
 
-            modelopt_version = modelopt.__version__
-        except ImportError:  # pragma: no cover - a dependency of the project
+        try:  # the version only: importing ModelOpt for it would cost a BF16 run its import
+            modelopt_version = version("nvidia-modelopt")
+        except PackageNotFoundError:  # pragma: no cover - a dependency of the project
             modelopt_version = None
         kv = None
         if self._kv_fp8:
@@ -512,6 +514,8 @@ class HfEngine:
             else torch.get_num_threads(),
             "checkpoint": dict(self.checkpoint),
             "settings": self.settings.to_dict(),
+            # what decides these bits (mixquant.numerics): a numerical hash reproduces under an equal one
+            "numerics": fingerprint("cpu" if self.device.type == "cpu" else "cuda"),
         }
 
     def close(self) -> None:
@@ -813,7 +817,19 @@ class VllmEngine:
             INSECURE_SERIALIZATION_ENV: os.environ.get(INSECURE_SERIALIZATION_ENV),
             "checkpoint": dict(self.checkpoint),
             "settings": self.settings.to_dict(),
+            "numerics": self._numerics_fingerprint(),
         }
+
+    def _numerics_fingerprint(self) -> dict[str, Any]:
+        """The GPU fingerprint (mixquant.numerics) and what else decides vLLM's bits: version, TP, GPU."""
+        from mixquant.numerics import fingerprint
+
+        numerics = fingerprint("cuda")
+        numerics["decisive"]["libraries"]["vllm"] = self.vllm_version
+        numerics["decisive"]["tensor_parallel_size"] = self.settings.tensor_parallel_size
+        if torch.cuda.device_count():  # 0 on a CPU-only torch (whatever is_available is patched to say)
+            numerics["decisive"]["gpu"] = torch.cuda.get_device_name(0)
+        return numerics
 
     def close(self) -> None:
         llm, self.llm = self.llm, None

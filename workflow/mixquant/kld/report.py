@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from mixquant.kld.stats import percentiles
 
 if TYPE_CHECKING:
     import pandas as pd
+    from matplotlib.figure import Figure
 
 __all__ = [
     "GATE_KEYS",
@@ -405,6 +404,10 @@ def write_table(df: pd.DataFrame, csv_path: str | os.PathLike[str], md_path: str
 
 
 def _new_figure(width: float, height: float) -> Figure:
+    # matplotlib only where a plot is drawn: gate_kld aggregates without it
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig

@@ -6,8 +6,11 @@ Files:
   0..T-2 of the BF16 model with a BF16 KV cache) and ``reference.json``: engine settings and info, and the
   SHA-256 of the logits' canonical encoding -- the float32 values as little-endian IEEE-754 bytes in
   row-major order [T-1, V], no header (the bytes ``numpy.ascontiguousarray(x, "<f4").tobytes()`` gives).
-* ``run_kld``: ``kld.json`` (the run's statistics, engine info) and ``per_position.safetensors`` (``kl``,
-  ``p_ref``, ``p_cand``, ``ref_nll``, ``cand_nll`` float64 [T-1]; ``top1_same`` uint8).
+* ``run_kld``: every run of one (candidate, KV dtype) under ``runs/<i>/`` (``i`` = 0..runs-1), each with
+  ``kld.json`` (the run's statistics, engine info) and ``per_position.safetensors`` (``kl``, ``p_ref``,
+  ``p_cand``, ``ref_nll``, ``cand_nll`` float64 [T-1]; ``top1_same`` uint8). Each run builds a fresh
+  engine: a new engine object in the job's process for ``hf`` (deterministic, in-process), a new Python
+  process per run for ``vllm`` (whose engine state, CUDA context and allocator outlive the object).
 * ``gate_kld``: ``aggregate.json`` -- the runs' aggregate, the paired comparison with the baseline, the
   gates and the verdict -- and ``per_position_mean.safetensors`` (the mean per-position KL over runs).
 * ``kld_report``: ``kld_table.csv`` / ``kld_table.md`` (candidates x KV), ``kl_cdf_<kv>.png``,
@@ -21,6 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ log = logging.getLogger(__name__)
 
 LOGITS_FILE = "logits.safetensors"
 REFERENCE_JSON = "reference.json"
+RUNS_DIR = "runs"
 RUN_JSON = "kld.json"
 PER_POSITION_FILE = "per_position.safetensors"
 AGGREGATE_JSON = "aggregate.json"
@@ -43,6 +51,15 @@ ENCODING = "float32 little-endian IEEE-754, row-major [T-1, V], no header"
 
 class KldGateFailure(RuntimeError):
     """A KLD gate failed (one line naming the candidates, KV dtypes and checks)."""
+
+
+class KldRunError(RuntimeError):
+    """A KLD run failed or its results are incomplete (one line naming the run)."""
+
+
+def run_dir(runs_dir: str | Path, run: int) -> Path:
+    """The directory of run ``run`` inside a run_kld output."""
+    return Path(runs_dir) / RUNS_DIR / str(int(run))
 
 
 def logits_sha256(logits) -> str:
@@ -92,12 +109,21 @@ def run_reference_logits(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """The BF16 model's logits on the pinned prompt (BF16 KV cache), float32 [T-1, V]."""
+    """The BF16 model's logits on the pinned prompt (BF16 KV cache), float32 [T-1, V].
+
+    reference.json records, besides the hash and the engine, the numerics fingerprint the logits were
+    computed under (top-level ``numerics``, mixquant.numerics): their hash is a numerical one, which
+    ``mixquant verify`` expects to reproduce bit for bit only under an equal decisive fingerprint.
+    """
     from safetensors.torch import save_file
 
     ids = _prompt_ids(prompt)
     logits, info, seconds = _logits(resolve_model_dir(model), settings, "bfloat16", ids)
     sha = logits_sha256(logits)
+    if info.get("numerics") is None:  # an engine that does not record its own
+        from mixquant.numerics import fingerprint
+
+        info = {**info, "numerics": fingerprint()}
     document = {
         "sha256": sha,
         "encoding": ENCODING,
@@ -105,6 +131,7 @@ def run_reference_logits(
         "positions": int(logits.shape[0]),
         "engine_settings": {**settings["engine"], "kv_cache_dtype": "bfloat16"},
         "engine": info,
+        "numerics": info["numerics"],
     }
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
@@ -124,14 +151,43 @@ def run_kld(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """One fresh-engine run: KL(reference || candidate) at every prompt position, full vocabulary."""
+    """All ``settings["runs"]`` runs of one (candidate, KV dtype), each a fresh engine: KL(reference ||
+    candidate) at every prompt position, full vocabulary, under ``runs/<i>/``."""
+    runs = int(settings["runs"])
+    if runs < 1:
+        raise KldRunError(f"run_kld: runs must be at least 1, got {runs}")
+    in_process = settings["engine"]["engine"] == "hf"
+    means: list[float] = []
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+        if in_process:  # the prompt and the reference are inputs, not engine state: read them once
+            ids, ref = _run_inputs(prompt, reference)
+        for run in range(runs):
+            target = run_dir(tmp, run)
+            if in_process:
+                document = _one_run(target, ids, ref, candidate, settings, run)
+            else:
+                document = _run_in_fresh_process(target, reference, prompt, candidate, settings, run)
+            means.append(document["summary"]["mean_kld"])
+        summary.update(kv_cache_dtype=settings["kv_cache_dtype"], runs=runs, mean_kld=means)
+    return Path(out_dir)
+
+
+def _run_inputs(prompt: str | Path, reference: str | Path):
+    from safetensors.torch import load_file
+
+    return _prompt_ids(prompt), load_file(str(Path(reference) / LOGITS_FILE))["logits"]
+
+
+def _one_run(
+    target: Path, ids, ref, candidate: str | Path, settings: dict[str, Any], run: int
+) -> dict[str, Any]:
+    """One run with a fresh engine: write ``kld.json`` and ``per_position.safetensors`` into ``target``."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from mixquant.kld.stats import kld_statistics
 
-    ids = _prompt_ids(prompt)
-    ref = load_file(str(Path(reference) / LOGITS_FILE))["logits"]
     kv = settings["kv_cache_dtype"]
     logits, info, seconds = _logits(resolve_model_dir(candidate), settings, kv, ids)
     if logits.shape != ref.shape:
@@ -143,50 +199,112 @@ def run_kld(
     tensors.update({name: per[name].to(torch.float64).contiguous() for name in ("ref_nll", "cand_nll")})
     tensors["top1_same"] = per["top1_same"].to(torch.uint8).contiguous()
     document = {
-        "run": settings["run"],
+        "run": run,
         "kv_cache_dtype": kv,
         "summary": stats["summary"],
         "candidate_logits_sha256": logits_sha256(logits),
         "engine_settings": {**settings["engine"], "kv_cache_dtype": kv},
         "engine": info,
     }
-    summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        save_file(tensors, str(tmp / PER_POSITION_FILE))
-        _write_json(tmp / RUN_JSON, document)
-        summary.update(
-            mean_kld=stats["summary"]["mean_kld"],
-            engine_seconds=round(seconds, 3),
-            stats_seconds=round(time.perf_counter() - started, 3),
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target / PER_POSITION_FILE))
+    _write_json(target / RUN_JSON, document)
+    log.info(
+        "run %d (%s KV): mean KLD %.6g (engine %.2f s, statistics %.2f s)",
+        run,
+        kv,
+        stats["summary"]["mean_kld"],
+        seconds,
+        time.perf_counter() - started,
+    )
+    return document
+
+
+def _run_in_fresh_process(
+    target: Path,
+    reference: str | Path,
+    prompt: str | Path,
+    candidate: str | Path,
+    settings: dict[str, Any],
+    run: int,
+) -> dict[str, Any]:
+    """One run in a new Python process (vLLM: a fresh engine per run needs a fresh process).
+
+    The child imports mixquant from this process's copy (envs/serve.yaml does not install it) and
+    inherits the environment, the CPU numerics profile included; its output goes to this job's log.
+    """
+    import mixquant
+
+    spec = {
+        "target": str(target),
+        "reference": str(reference),
+        "prompt": str(prompt),
+        "candidate": str(candidate),
+        "settings": settings,
+        "run": run,
+    }
+    package_root = str(Path(mixquant.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as scratch:
+        spec_path = Path(scratch) / "run.json"
+        _write_json(spec_path, spec)
+        code = "import sys; from mixquant.kld.run import run_one_from_spec; run_one_from_spec(sys.argv[1])"
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(spec_path)], env=env, capture_output=True, text=True, check=False
         )
-    log.info("run %d (%s KV): mean KLD %.6g", settings["run"], kv, stats["summary"]["mean_kld"])
-    return Path(out_dir)
+    output = (done.stdout + done.stderr).strip()
+    if output:
+        log.info("run %d process output:\n%s", run, output)
+    if done.returncode != 0:
+        last = output.splitlines()[-1] if output else "no output"
+        raise KldRunError(f"run_kld: run {run} exited with {done.returncode}: {last}")
+    log.info("run %d: fresh process %.1f s", run, time.perf_counter() - started)
+    return json.loads((target / RUN_JSON).read_text(encoding="utf-8"))
 
 
-def _load_runs(paths: dict[str, Path]) -> list[dict[str, Any]]:
+def run_one_from_spec(spec_path: str | Path) -> None:
+    """Entry point of :func:`_run_in_fresh_process`'s child: one run as the spec file describes it."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    ids, ref = _run_inputs(spec["prompt"], spec["reference"])
+    _one_run(Path(spec["target"]), ids, ref, spec["candidate"], spec["settings"], int(spec["run"]))
+
+
+def _load_runs(directory: str | Path) -> list[dict[str, Any]]:
+    """Every run of a run_kld output, in run order (``runs/0``, ``runs/1``, ...)."""
     from safetensors.torch import load_file
 
+    root = Path(directory) / RUNS_DIR
+    found = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    if not found or found != list(range(len(found))):
+        raise KldRunError(f"{root}: expected runs 0..n-1, found {found}")
     runs = []
-    for role in sorted(paths, key=lambda r: int(r.rsplit("_", 1)[1])):
-        directory = Path(paths[role])
-        document = json.loads((directory / RUN_JSON).read_text(encoding="utf-8"))
-        kl = load_file(str(directory / PER_POSITION_FILE))["kl"]
+    for run in found:
+        path = run_dir(directory, run)
+        document = json.loads((path / RUN_JSON).read_text(encoding="utf-8"))
+        kl = load_file(str(path / PER_POSITION_FILE))["kl"]
         runs.append({"summary": document["summary"], "kl": kl, "engine": document["engine"]})
     return runs
 
 
 def run_gate_kld(
-    out_dir: str | Path, *, settings: dict[str, Any], preimage: dict[str, Any], **runs: str
+    out_dir: str | Path,
+    *,
+    runs: str | Path,
+    baseline_runs: str | Path | None = None,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
 ) -> Path:
-    """Aggregate one (candidate, KV dtype)'s runs, compare with the baseline's runs, apply the gates."""
+    """Aggregate one (candidate, KV dtype)'s runs (a run_kld output), compare with the baseline's runs,
+    apply the gates."""
     from safetensors.torch import save_file
 
     from mixquant.kld.report import aggregate_runs, aggregate_to_json, evaluate_gates, paired_improvement
 
-    own = _load_runs({r: Path(p) for r, p in runs.items() if r.startswith("run_")})
-    base = _load_runs(
-        {r.removeprefix("baseline_"): Path(p) for r, p in runs.items() if r.startswith("baseline_")}
-    )
+    own = _load_runs(runs)
+    base = _load_runs(baseline_runs) if baseline_runs is not None else []
     aggregate = aggregate_runs(own)
     gates = settings["gates"]
     improvement = None

@@ -27,11 +27,55 @@ def run_build_toy_model(out_dir: str | Path, *, settings: dict[str, Any], preima
             tokenizer_spec=toy["tokenizer"],
             training=toy["training"],
             seed=toy["seed"],
+            outliers=toy["outliers"],
             threads=toy["threads"],
             num_shards=toy["num_shards"],
         )
         summary.update(report)
     return Path(out_dir)
+
+
+def build_embedded_toy(out_dir: str | Path, *, toy: dict[str, Any], corpus: dict[str, Any]) -> str:
+    """Regenerate the shipped toy checkpoint (data/toy-laguna) into a new directory; its content pin.
+
+    The same training and outlier code as build_toy_model, written beside `out_dir` and renamed into place
+    (a directory that exists is refused, never overwritten). CPU training is bit-exact only on the same
+    machine and thread count: another host trains another toy (../shared/NUMERICS.md), which is why the
+    default config ships the checkpoint instead of training it.
+    """
+    import shutil
+
+    from mixquant.calibration.run import load_dataset_conversations
+    from mixquant.model.fetch import identity_sha256, local_dir_identity
+    from mixquant.model.toy import build_toy_model
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise ValueError(f"{out_dir} exists: give a new directory (the shipped toy is never overwritten)")
+    (conversations,) = load_dataset_conversations(corpus)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        report = build_toy_model(
+            tmp,
+            conversations=conversations,
+            arch=toy["arch"],
+            tokenizer_spec=toy["tokenizer"],
+            training=toy["training"],
+            seed=toy["seed"],
+            outliers=toy["outliers"],
+            threads=toy["threads"],
+            num_shards=toy["num_shards"],
+        )
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "toy built in %.0f s, held-out loss %.4f", report["timings_s"]["total"], report["loss"]["heldout"]
+    )
+    return identity_sha256(local_dir_identity(out_dir))
 
 
 def run_fetch_model(out_dir: str | Path, *, settings: dict[str, Any], preimage: dict[str, Any]) -> Path:

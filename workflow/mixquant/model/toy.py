@@ -35,7 +35,7 @@ from mixquant.model.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
-from mixquant.model.toy_settings import ToyArchitecture, ToyTokenizer, ToyTraining
+from mixquant.model.toy_settings import ToyArchitecture, ToyOutliers, ToyTokenizer, ToyTraining
 
 NVFP4_BLOCK = 16
 
@@ -48,6 +48,9 @@ DEFAULT_TOY_TOKENIZER: dict[str, Any] = ToyTokenizer().model_dump()
 
 # Training: AdamW, linear warmup then cosine decay, fp32 on CPU; packed next-token prediction.
 DEFAULT_TOY_TRAINING: dict[str, Any] = ToyTraining().model_dump()
+
+# Outlier channels applied after training (apply_outliers).
+DEFAULT_TOY_OUTLIERS: dict[str, Any] = ToyOutliers().model_dump()
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -456,6 +459,45 @@ def train_toy_model(
     return model, report
 
 
+# ----------------------------------------------------------------------------------------- outliers
+
+
+@torch.no_grad()
+def apply_outliers(model: LagunaForCausalLM, outliers: dict[str, Any]) -> list[dict[str, Any]]:
+    """Give some MoE layers' routed experts massive intermediate activations, keeping the BF16 function.
+
+    Real MoE models carry a few channels with activations orders of magnitude above the rest and the
+    matching tiny down-projection weights ("super weights", Yu et al. 2024, arXiv:2411.07191); they are
+    what makes some layers far more sensitive to 4-bit weights than others. Per listed layer and per expert,
+    ``channels`` intermediate channels (a seeded permutation) get their up_proj row multiplied by
+    2**log2_scale and their down_proj column divided by it. Powers of two scale bf16 values exactly and
+    the expert computes silu(gate) * up before down_proj, so the model's logits stay bit-identical (checked
+    by the caller), while NVFP4's 16-element blocks along down_proj's input round the tiny column to zero
+    and FP8's per-tensor scales keep it. Returns what was changed (for the training report).
+    """
+    outliers = with_defaults(DEFAULT_TOY_OUTLIERS, outliers, "toy outliers")
+    layers = model.model.layers
+    changed = []
+    for entry in outliers["layers"]:
+        layer, channels, log2_scale = int(entry["layer"]), int(entry["channels"]), int(entry["log2_scale"])
+        if not 0 <= layer < len(layers) or not hasattr(layers[layer].mlp, "experts"):
+            raise ValueError(f"toy outliers: layer {layer} is not a MoE layer")
+        experts = layers[layer].mlp.experts
+        intermediate = experts.down_proj.shape[-1]
+        if channels > intermediate:
+            raise ValueError(f"toy outliers: layer {layer} has {intermediate} channels, asked for {channels}")
+        generator = torch.Generator().manual_seed(int(outliers["seed"]) * 1000 + layer)
+        scale = float(2**log2_scale)
+        picked = []
+        for expert in range(experts.down_proj.shape[0]):
+            chosen = torch.randperm(intermediate, generator=generator)[:channels]
+            experts.gate_up_proj.data[expert, intermediate + chosen, :] *= scale  # the "up" half
+            experts.down_proj.data[expert][:, chosen] /= scale
+            picked.append(sorted(int(c) for c in chosen))
+        changed.append({"layer": layer, "log2_scale": log2_scale, "channels_per_expert": picked})
+    return changed
+
+
 # ----------------------------------------------------------------------------------------- build
 
 
@@ -472,6 +514,7 @@ def build_toy_model(
     tokenizer_spec: dict[str, Any],
     training: dict[str, Any],
     seed: int,
+    outliers: dict[str, Any] | None = None,
     threads: int = 2,
     num_shards: int = 2,
     progress: bool = True,
@@ -510,6 +553,12 @@ def build_toy_model(
 
     t_save = time.perf_counter()
     to_bfloat16(model)
+    with torch_threads(threads), torch.no_grad():
+        probe = token_stream(tokenizer, conversations[:8])[: int(training["seq_len"])].unsqueeze(0)
+        before = model(input_ids=probe).logits
+        outlier_report = apply_outliers(model, outliers or {"layers": []})
+        if not torch.equal(before, model(input_ids=probe).logits):
+            raise RuntimeError("toy outliers changed the bf16 model's logits (they must be exact rescalings)")
     saved = layout.save_upstream_checkpoint(model, out_dir, num_shards=num_shards)
     tokenizer.save_pretrained(out_dir, **SAVE_KWARGS)
     save_s = time.perf_counter() - t_save
@@ -553,6 +602,7 @@ def build_toy_model(
         "tokenizer": tokenizer_spec,
         **report,
         "checkpoint": {**saved, "logits_bit_identical_after_reload": logits_identical},
+        "outliers": outlier_report,
     }
     report["timings_s"].update(
         {"tokenizer": tokenizer_s, "save": save_s, "verify": verify_s, "total": time.perf_counter() - start}

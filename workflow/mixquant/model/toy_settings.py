@@ -94,3 +94,36 @@ class ToyTraining(_Strict):
     eval_sequences: int = Field(
         default=256, ge=1, description="Sequences scored for train/held-out loss (at most)."
     )
+
+
+class ToyOutlierLayer(_Strict):
+    """Massive activations in one MoE layer's routed experts ("super weights", Yu et al. 2024)."""
+
+    layer: int = Field(ge=1, description="MoE layer index whose routed experts get outlier channels.")
+    channels: int = Field(
+        ge=1, description="Intermediate channels per expert scaled up (chosen by a seeded permutation)."
+    )
+    log2_scale: int = Field(
+        ge=1,
+        le=20,
+        description="The up_proj rows of those channels are multiplied by 2**log2_scale and the matching "
+        "down_proj columns divided by it: the BF16 function is unchanged bit for bit (powers of two), but "
+        "the intermediate activation gets outliers and down_proj tiny columns, which NVFP4 blocks zero out.",
+    )
+
+
+def _default_outliers() -> list[ToyOutlierLayer]:
+    # Three layers of graded sensitivity; see config/README.md ("the toy's outlier layers").
+    return [
+        ToyOutlierLayer(layer=2, channels=4, log2_scale=8),
+        ToyOutlierLayer(layer=5, channels=2, log2_scale=8),
+        ToyOutlierLayer(layer=7, channels=1, log2_scale=8),
+    ]
+
+
+class ToyOutliers(_Strict):
+    seed: int = Field(default=0, description="Seed of the permutation choosing the outlier channels.")
+    layers: list[ToyOutlierLayer] = Field(
+        default_factory=_default_outliers,
+        description="Per-layer outlier channels applied after training (empty: none).",
+    )

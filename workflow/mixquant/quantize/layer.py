@@ -409,9 +409,9 @@ def dequantize_tensors(
     * NVFP4 (uint8 ``weight`` + ``weight_scale`` + ``weight_scale_2``): ``NVFP4QTensor.dequantize``;
     * FP8 (float8_e4m3fn ``weight`` + ``weight_scale``): ``FP8QTensor.dequantize`` (``fp8 * scale``);
     * anything else: the weight itself (bf16 passthrough), cast to ``dtype``.
-    """
-    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
 
+    ModelOpt is imported only when a quantized weight is met (a BF16 layer needs none of it).
+    """
     out: dict[str, torch.Tensor] = {}
     for name, weight in tensors.items():
         if not name.endswith(_WEIGHT_SUFFIX):
@@ -419,6 +419,8 @@ def dequantize_tensors(
         base = name[: -len(_WEIGHT_SUFFIX)]
         scale = tensors.get(f"{base}.weight_scale")
         if weight.dtype == torch.uint8 and scale is not None and f"{base}.weight_scale_2" in tensors:
+            from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
             shape = (*weight.shape[:-1], weight.shape[-1] * 2)
             qtensor = NVFP4QTensor(torch.Size(shape), torch.float32, weight)
             deq = qtensor.dequantize(
@@ -428,6 +430,8 @@ def dequantize_tensors(
                 block_sizes={-1: BLOCK_SIZE},
             )
         elif weight.dtype == torch.float8_e4m3fn and scale is not None:
+            from modelopt.torch.quantization.qtensor import FP8QTensor
+
             deq = FP8QTensor(weight.shape, torch.float32, weight).dequantize(dtype=torch.float32, scale=scale)
         else:
             deq = weight

@@ -1,8 +1,16 @@
-"""Stage entry points for collect_activation_stats and quantize_layer (rule scripts and the CLI)."""
+"""Stage entry points for collect_activation_stats and quantize_layer (rule scripts and the CLI).
+
+A quantize_layer job covers one format and one fixed window of MoE layers (``quantize.layers_per_job``):
+its keyed directory holds one ``layer_<L>/`` subdirectory per layer (``layer.safetensors`` +
+``audit.json``, :func:`mixquant.quantize.layer.save_layer_result`), which is what export_checkpoint and
+score_sensitivity read (:func:`layer_result_dir`). One process per window pays the Python, torch and
+ModelOpt imports once instead of once per layer.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +44,22 @@ def run_collect_activation_stats(
     return Path(out_dir)
 
 
-def activation_amax_for_layer(activations: str | Path, layer: int) -> dict[str, Any]:
-    """The layer-shared FP8 input amax values (and per-expert routed counts) of one MoE layer."""
+def activation_amax_for_layer(activations: str | Path | dict[str, Any], layer: int) -> dict[str, Any]:
+    """The layer-shared FP8 input amax values (and per-expert routed counts) of one MoE layer, from the
+    activation statistics' directory or the statistics already loaded from it."""
     from mixquant.quantize.activations import load_activation_stats
 
-    stats = load_activation_stats(Path(activations))
+    stats = activations if isinstance(activations, dict) else load_activation_stats(Path(activations))
     return {
         "gate_up": stats["gate_up_input_amax"][layer],
         "down": stats["down_input_amax"][layer],
         "routed_tokens": stats["routed_tokens"][layer],
     }
+
+
+def layer_result_dir(window_dir: str | Path, layer: int) -> Path:
+    """The directory of one layer x format result inside its quantize_layer window's output."""
+    return Path(window_dir) / f"layer_{int(layer)}"
 
 
 def run_quantize_layer(
@@ -56,17 +70,31 @@ def run_quantize_layer(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """Quantize one MoE layer's routed experts into one format, streamed from the source shards."""
+    """Quantize the routed experts of every MoE layer of one window into one format, one layer at a time
+    (streamed from the source shards; only one layer's result is held in memory)."""
     from mixquant.quantize.layer import quantize_layer, save_layer_result
 
-    layer, fmt = settings["layer"], settings["format"]
-    activation_amax = activation_amax_for_layer(activations, layer) if fmt == "fp8" else None
-    tensors, audit = quantize_layer(
-        resolve_model_dir(model), layer, fmt, settings["params"], activation_amax=activation_amax
-    )
+    fmt, layers = settings["format"], [int(layer) for layer in settings["layers"]]
+    model_dir = resolve_model_dir(model)
+    stats = None
+    if fmt == "fp8":
+        from mixquant.quantize.activations import load_activation_stats
+
+        stats = load_activation_stats(Path(activations))
     summary: dict[str, Any] = {}
+    per_layer: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        save_layer_result(tensors, audit, tmp)
-        summary.update(layer=layer, format=fmt, tensors=len(tensors), totals=audit.get("totals"))
-    log.info("layer %d -> %s: %d tensors", layer, fmt, len(tensors))
+        for layer in layers:
+            started = time.perf_counter()
+            activation_amax = activation_amax_for_layer(stats, layer) if stats is not None else None
+            tensors, audit = quantize_layer(
+                model_dir, layer, fmt, settings["params"], activation_amax=activation_amax
+            )
+            save_layer_result(tensors, audit, layer_result_dir(tmp, layer))
+            per_layer[str(layer)] = {"tensors": len(tensors), "totals": audit.get("totals")}
+            log.info(
+                "layer %d -> %s: %d tensors (%.2f s)", layer, fmt, len(tensors), time.perf_counter() - started
+            )
+            del tensors, audit
+        summary.update(format=fmt, layers=per_layer)
     return Path(out_dir)

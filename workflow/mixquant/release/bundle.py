@@ -8,14 +8,24 @@ Layout (a Hugging Face model repository)::
     placement_audit.json                          solve_placement's audit (with a search)
     quantization_recipe.yaml                      the resolved config + the placement: replays the build
     kld/<candidate>.<kv dtype>.json               gate_kld's aggregate per candidate x KV-cache dtype
+    reference/logits.safetensors, reference.json  the BF16 reference logits and their record
+    numerics.json                                 the decisive numerics fingerprint they were made under
     README.md                                     the model card (mixquant.release.card)
 
 Checkpoint files are hardlinked where the file system allows (the keyed directories are immutable, so
 sharing inodes is safe and a 92 GB checkpoint is not copied), else copied.
+
+The reference logits ship because their hash is a numerical one (mixquant.release.hashes): on a machine
+whose numerics fingerprint differs they do not reproduce bit for bit, and ``mixquant verify --against
+RELEASE`` then says how close they are. numerics.json holds only the fingerprint's decisive part (what
+config ``published.numerics`` takes); its host part (CPU model, ...) goes to the log, so the release of
+a rerun elsewhere under the same fingerprint is the same.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import os
 import shutil
@@ -27,7 +37,7 @@ from mixquant.export.run import AUDIT_FILE as CHECKPOINT_AUDIT
 from mixquant.jsonio import read_json
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir
-from mixquant.kld.run import AGGREGATE_JSON, VERDICT_JSON
+from mixquant.kld.run import AGGREGATE_JSON, LOGITS_FILE, REFERENCE_JSON, VERDICT_JSON
 from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 
 log = logging.getLogger(__name__)
@@ -71,6 +81,20 @@ def gate_file_name(candidate: str, kv: str) -> str:
     return f"{KLD_DIR}/{candidate}.{kv}.json"
 
 
+def shipped_reference_document(document: dict[str, Any]) -> dict[str, Any]:
+    """reference.json as the release ships it: every fingerprint without its host part (informative only)."""
+    shipped = copy.deepcopy(document)
+    for holder in (shipped, shipped.get("engine") or {}):
+        numerics = holder.get("numerics")
+        if isinstance(numerics, dict):
+            numerics.pop("host", None)
+    return shipped
+
+
+def _json_text(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
 def run_assemble_release(
     out_dir: str | Path,
     *,
@@ -86,7 +110,13 @@ def run_assemble_release(
 ) -> Path:
     """Assemble the release directory from the keyed outputs (``gates``: gate_<candidate>_<kv> -> dir)."""
     from mixquant.release.card import CardInputs, model_card
-    from mixquant.release.hashes import release_hashes
+    from mixquant.release.hashes import (
+        NUMERICS_JSON,
+        RELEASE_REFERENCE_DIR,
+        recorded_numerics,
+        reference_document,
+        release_hashes,
+    )
     from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
 
     recipe = settings["recipe"]
@@ -127,9 +157,17 @@ def run_assemble_release(
     unknown = sorted(set(gates) - {role for role, _ in gate_docs})
     if unknown:
         raise ReleaseInputError(f"assemble_release: unexpected input {unknown[0]!r}")
-    hashes = release_hashes(
-        _keyed_dir(prompt, "pin_prompt"), _keyed_dir(reference, "reference_logits"), checkpoint_dir
-    )
+    reference_dir = _keyed_dir(reference, "reference_logits")
+    hashes = release_hashes(_keyed_dir(prompt, "pin_prompt"), reference_dir, checkpoint_dir)
+    reference_doc = reference_document(reference_dir)
+    numerics = recorded_numerics(reference_doc)
+    if numerics is None:
+        raise ReleaseInputError(
+            f"reference_logits {reference_dir.name}: {REFERENCE_JSON} records no numerics fingerprint "
+            "(made before mixquant recorded it); rebuild reference_logits"
+        )
+    host = (reference_doc.get("numerics") or {}).get("host")
+    log.info("reference logits numerics host (informative, not shipped): %s", json.dumps(host))
     hf_quant_config = read_json(
         checkpoint_dir / QUANT_CONFIG_FILE, QUANT_CONFIG_FILE, error=ReleaseInputError
     )
@@ -139,6 +177,11 @@ def run_assemble_release(
     files = [p.as_posix() for p in checkpoint_files(checkpoint_dir)]
     extra = [RECIPE_FILE] + ([PLACEMENT_AUDIT] if placement_audit is not None else [])
     extra += [gate_file_name(doc["candidate"], doc["kv_cache_dtype"]) for _, doc in gate_docs]
+    shipped_reference = [
+        f"{RELEASE_REFERENCE_DIR}/{LOGITS_FILE}",
+        f"{RELEASE_REFERENCE_DIR}/{REFERENCE_JSON}",
+    ]
+    extra += [NUMERICS_JSON, *shipped_reference]
     inputs = CardInputs(
         recipe=recipe,
         inspection=audit["inspection"],
@@ -151,6 +194,7 @@ def run_assemble_release(
         placement_audit=placement_audit,
         model_type=model_config.get("model_type"),
         files=sorted(files + extra),
+        numerics=numerics,
     )
     card = model_card(inputs)
     header = [
@@ -170,9 +214,15 @@ def run_assemble_release(
             target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(gates[role]) / AGGREGATE_JSON, target)
+        link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
+        (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
+            _json_text(shipped_reference_document(reference_doc)), encoding="utf-8"
+        )
+        (tmp / NUMERICS_JSON).write_text(_json_text(numerics), encoding="utf-8")
         (tmp / CARD_FILE).write_text(card, encoding="utf-8")
         summary.update(
             hashes={name: record.sha256 for name, record in hashes.items()},
+            numerics=numerics,
             placement_counts=audit["inspection"]["placement_counts"],
             routed_effective_bits=audit["inspection"]["routed_effective_bits"],
         )

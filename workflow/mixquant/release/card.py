@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from mixquant.export.predict import ROUTED_FORMAT_BITS as FORMAT_BITS
+from mixquant.release.hashes import HASH_KINDS, HASH_NAMES, NUMERICS_JSON, numerics_text
 
 FORMAT_LABELS = {"nvfp4_w4a16": "NVFP4 W4A16", "fp8": "FP8 W8A8", "bf16": "BF16"}
 HASH_LABELS = {
@@ -42,6 +43,7 @@ class CardInputs:
     placement_audit: Mapping[str, Any] | None = None  # solve_placement's audit (search only)
     model_type: str | None = None  # config.json model_type
     files: Sequence[str] = ()  # the bundle's files (besides README.md)
+    numerics: Mapping[str, Any] | None = None  # the reference logits' decisive numerics fingerprint
 
 
 # ------------------------------------------------------------------------------------------ naming
@@ -57,6 +59,14 @@ def source_model(recipe: Mapping[str, Any]) -> dict[str, Any]:
             "repo": hub["repo"],
             "revision": hub["revision"],
             "text": f"`{hub['repo']}` at revision `{hub['revision']}`",
+        }
+    if model["source"] == "local" and (model.get("local") or {}).get("toy"):
+        return {
+            "kind": "toy",
+            "repo": None,
+            "revision": None,
+            "text": f"the embedded toy Laguna shipped in `{model['local']['path']}` (content-pinned; made by "
+            "`build_toy_model`, regenerated with `mixquant build-toy`)",
         }
     if model["source"] == "local":
         return {
@@ -288,18 +298,31 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
         "- `quantization_recipe.yaml` reproduces this checkpoint: "
         "`snakemake --configfile quantization_recipe.yaml` plans the same keys and rebuilds the same files."
     )
+    if inputs.numerics is not None:
+        lines.append(
+            f"- Numerics fingerprint of the BF16 reference logits (`{NUMERICS_JSON}`, shipped with them in "
+            f"`reference/`): {numerics_text(inputs.numerics)}."
+        )
     lines += ["", "SHA-256 (re-derived from the workflow's outputs, as `mixquant verify` does):", ""]
-    lines += ["| what | SHA-256 | file | encoding |", "|:---|:---|:---|:---|"]
+    lines += ["| what | kind | SHA-256 | file | encoding |", "|:---|:---|:---|:---|:---|"]
     published = recipe.get("published") or {}
     for name, record in inputs.hashes.items():
         pinned = published.get(name)
         note = (
             "" if pinned is None else (" (= published)" if pinned == record["sha256"] else " (≠ published)")
         )
+        kind = record.get("kind") or HASH_KINDS.get(name, "—")
         lines.append(
-            f"| {HASH_LABELS.get(name, name)} | `{record['sha256']}`{note} | "
+            f"| {HASH_LABELS.get(name, name)} | {kind} | `{record['sha256']}`{note} | "
             f"{record['artifact']['stage']}/{record['artifact']['file']} | {record['encoding']} |"
         )
+    lines += [
+        "",
+        "Content hashes (token IDs, file bytes) reproduce on any machine. The numerical one, of the "
+        "reference logits, reproduces bit for bit only under an equal numerics fingerprint; elsewhere "
+        "`mixquant verify --against` this release names the fields that differ and how close the logits "
+        "are (max |Δ|, mean KL, top-1 agreement).",
+    ]
     return lines
 
 
@@ -381,7 +404,7 @@ def _status_section(inputs: CardInputs) -> list[str]:
             "- This is the embedded toy model: a tiny Laguna trained for minutes to exercise the workflow. "
             "It is not a useful language model."
         )
-    published = {k: v for k, v in (recipe.get("published") or {}).items() if v}
+    published = {k: v for k, v in (recipe.get("published") or {}).items() if v and k in HASH_NAMES}
     if not published:
         lines.append("- No published hashes are pinned in the recipe (`published`): nothing to compare with.")
     else:
@@ -396,8 +419,26 @@ def _status_section(inputs: CardInputs) -> list[str]:
                 else f" (differing: {', '.join(sorted(set(published) - set(matching)))})."
             )
         )
+    lines += _published_numerics_lines(inputs)
     lines.append("- The KLD protocol is one pinned prompt; it is not a task benchmark.")
     return lines
+
+
+def _published_numerics_lines(inputs: CardInputs) -> list[str]:
+    from mixquant.numerics import fingerprint_differences
+
+    pinned = (inputs.recipe.get("published") or {}).get("numerics")
+    if pinned is None or inputs.numerics is None:
+        return []
+    differences = fingerprint_differences({"decisive": dict(inputs.numerics)}, {"decisive": pinned})
+    if not differences:
+        return ["- Published numerics fingerprint (`published.numerics`): equal to this release's."]
+    fields = ", ".join(f"`{difference.split(':', 1)[0]}`" for difference in differences)
+    return [
+        f"- Published numerics fingerprint (`published.numerics`): differs in {fields}; this release's "
+        "reference logits were made under other numerics than the published ones, so they are not "
+        "reproducible bit for bit."
+    ]
 
 
 def _files_section(inputs: CardInputs) -> list[str]:

@@ -11,11 +11,19 @@ Each value comes from one file of one keyed output directory and one encoding, b
 
 The two tensor hashes are recomputed from the tensors, never copied from the stage's own record; a
 record that disagrees with its file is an error (the artifact changed after it was written).
+
+Each hash has a kind (:data:`HASH_KINDS`). A *content* hash is of integers or of bytes the workflow
+writes (token IDs, JSON files): any machine that runs the same code on the same inputs must reproduce
+it. A *numerical* hash is of floating-point results (the BF16 reference logits): its bits depend on the
+numerics the process computed under -- device, CPU code path, library versions, recorded as the
+fingerprint of :func:`mixquant.numerics.fingerprint` -- so it reproduces bit for bit only under an equal
+fingerprint (../shared/NUMERICS.md).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +35,18 @@ from mixquant.model.layout import INDEX_FILE
 
 # The order of PublishedHashes' fields (config ``published``), which is also the report's order.
 HASH_NAMES = ("prompt_token_ids", "reference_logits", "quant_config", "safetensors_index")
+CONTENT, NUMERICAL = "content", "numerical"
+HASH_KINDS = {
+    "prompt_token_ids": CONTENT,
+    "reference_logits": NUMERICAL,
+    "quant_config": CONTENT,
+    "safetensors_index": CONTENT,
+}
 
 PROMPT_FILE = "prompt.safetensors"
+# Where a release ships the reference logits (a copy of reference_logits' output) and its fingerprint.
+RELEASE_REFERENCE_DIR = "reference"
+NUMERICS_JSON = "numerics.json"
 
 PROMPT_ENCODING = "token_ids_sha256: token IDs as int32 little-endian, row-major, no header"
 LOGITS_ENCODING = "logits_sha256: float32 little-endian IEEE-754, row-major [T-1, V], no header"
@@ -57,16 +75,27 @@ class ArtifactFile:
 
 @dataclass(frozen=True)
 class HashRecord:
-    """One re-derived hash: its name (a ``published`` field), value, source file and encoding."""
+    """One re-derived hash: its name (a ``published`` field), value, source file, encoding and kind."""
 
     name: str
     sha256: str
     artifact: ArtifactFile
     encoding: str
 
+    @property
+    def kind(self) -> str:
+        """``content`` or ``numerical`` (:data:`HASH_KINDS`)."""
+        return HASH_KINDS[self.name]
+
     def to_json(self) -> dict[str, Any]:
         artifact = self.artifact.to_json()
-        return {"name": self.name, "sha256": self.sha256, "artifact": artifact, "encoding": self.encoding}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "sha256": self.sha256,
+            "artifact": artifact,
+            "encoding": self.encoding,
+        }
 
 
 def artifact_file(directory: str | Path, file: str, stage: str) -> ArtifactFile:
@@ -85,6 +114,48 @@ def reference_document(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     return json.loads(path.read_text("utf-8"))
+
+
+def recorded_numerics(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The decisive numerics fingerprint a reference.json records (top level, else its engine info); None.
+
+    reference_logits writes the whole fingerprint (``{"decisive": ..., "host": ...}``); only the decisive
+    part says whether two runs promise the same bits.
+    """
+    for numerics in (document.get("numerics"), (document.get("engine") or {}).get("numerics")):
+        if isinstance(numerics, dict) and isinstance(numerics.get("decisive"), dict):
+            return numerics["decisive"]
+    return None
+
+
+_NUMERICS_LABELS = {
+    "threads": "threads",
+    "cpu_capability": "ATen CPU capability",
+    "host_isa": "host ISA",
+    "mkl_cbwr": "MKL CBWR",
+}
+
+
+def numerics_text(decisive: Mapping[str, Any]) -> str:
+    """A decisive fingerprint in one line: device and profile, CPU code path; library versions; Python.
+
+    Only the given fields, in a fixed order (the model card quotes it: the same fingerprint, the same text).
+    """
+    parts = [f"device {decisive.get('device')}", f"profile {decisive.get('profile')}"]
+    for name, label in _NUMERICS_LABELS.items():
+        if decisive.get(name) is not None:
+            parts.append(f"{label} {decisive[name]}")
+    if decisive.get("mkldnn") is not None:
+        parts.append(f"oneDNN (mkldnn) {'on' if decisive['mkldnn'] else 'off'}")
+    known = {"device", "profile", "mkldnn", "libraries", "python", *_NUMERICS_LABELS}
+    parts += [f"{name} {decisive[name]}" for name in sorted(set(decisive) - known)]
+    libraries = decisive.get("libraries") or {}
+    groups = [", ".join(parts)]
+    if libraries:
+        groups.append(", ".join(f"{name} {version}" for name, version in sorted(libraries.items())))
+    if decisive.get("python"):
+        groups.append(f"Python {decisive['python']}")
+    return "; ".join(groups)
 
 
 def prompt_token_ids_hash(prompt_dir: str | Path) -> HashRecord:

@@ -1,16 +1,29 @@
 """Compare the release's four re-derived hashes with the published ones (``mixquant verify``, verify_hashes).
 
 Per hash the status is ``match``, ``mismatch`` (expected, got, the artifact file and its encoding) or
-``not pinned`` (no published value). On a reference-logits mismatch :func:`compare_reference_logits` says
-how close the numbers are: it looks for a reference_logits output whose logits hash to the published
-value (or takes the one given) and reports the largest absolute logit difference, the mean
-KL(published || ours) over positions and the recorded engine settings that differ.
+``not pinned`` (no published value), and the kind is ``content`` or ``numerical``
+(:data:`mixquant.release.hashes.HASH_KINDS`).
+
+The policy (:meth:`VerifyReport.failures`). A content mismatch always fails: the same code on the same
+inputs writes the same token IDs and JSON bytes on every machine. A numerical mismatch (the reference
+logits) is judged by the decisive numerics fingerprints (:func:`mixquant.numerics.fingerprint`): ours,
+which reference.json records, and the published one (config ``published.numerics``, a release's
+numerics.json). Under equal fingerprints -- or an unknown one -- the bits should have reproduced, so it
+fails; under different ones the logits are "not reproducible bit for bit here": reported with the
+differing fields and passed. ``mixquant verify --strict`` fails on any mismatch.
+
+On a reference-logits mismatch :func:`compare_reference_logits` says how close the numbers are: it takes
+the published logits given (``--against``: a reference_logits output, a release directory or a
+logits.safetensors file) or looks for a reference_logits output whose logits hash to the published value,
+and reports the largest absolute logit difference, the mean KL(published || ours) over positions, the
+top-1 agreement and the recorded engine settings that differ.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,20 +32,29 @@ from typing import Any
 from mixquant.jsonio import diff_values
 from mixquant.keys.hashing import is_sha256_hex, require_sha256_hex
 from mixquant.keys.manifest import publish_keyed_dir
+from mixquant.numerics import fingerprint_differences
 from mixquant.release.hashes import (
+    CONTENT,
+    HASH_KINDS,
     HASH_NAMES,
     HASHERS,
     LOGITS_FILE,
+    NUMERICAL,
+    NUMERICS_JSON,
+    RELEASE_REFERENCE_DIR,
     HashRecord,
     HashSourceError,
+    numerics_text,
+    recorded_numerics,
     reference_document,
-    reference_logits_hash,
 )
 
 log = logging.getLogger(__name__)
 
 VERIFY_JSON = "verify.json"
 MATCH, MISMATCH, NOT_PINNED = "match", "mismatch", "not pinned"
+EQUAL, DIFFERENT, UNKNOWN = "equal", "different", "unknown"  # our numerics fingerprint vs the published one
+NOT_REPRODUCIBLE = "not reproducible bit for bit here"
 # The artifact each hash is read from, as `mixquant.keys.artifacts` names it.
 SOURCE_ARTIFACTS = {
     "prompt": "pin_prompt",
@@ -63,12 +85,18 @@ class HashCheck:
     def got(self) -> str | None:
         return None if self.record is None else self.record.sha256
 
+    @property
+    def kind(self) -> str:
+        """``content`` or ``numerical`` (:data:`mixquant.release.hashes.HASH_KINDS`)."""
+        return HASH_KINDS[self.name]
+
     def to_json(self) -> dict[str, Any]:
         record = {"artifact": None, "encoding": None} if self.record is None else self.record.to_json()
         record.pop("name", None)
         record.pop("sha256", None)
         return {
             "status": self.status,
+            "kind": self.kind,
             "expected": self.expected,
             "got": self.got,
             "note": self.note,
@@ -76,9 +104,57 @@ class HashCheck:
         }
 
 
+@dataclass(frozen=True)
+class NumericsCheck:
+    """Our decisive numerics fingerprint (reference.json) vs the published one: equal, different, unknown."""
+
+    ours: dict[str, Any] | None
+    published: dict[str, Any] | None
+    published_source: str | None = None  # "published.numerics", or the record beside the published logits
+
+    @property
+    def differences(self) -> list[str]:
+        """The decisive fields that differ, as 'field: published -> ours' (empty unless both are known)."""
+        if self.ours is None or self.published is None:
+            return []
+        return fingerprint_differences({"decisive": self.ours}, {"decisive": self.published})
+
+    @property
+    def status(self) -> str:
+        if self.ours is None or self.published is None:
+            return UNKNOWN
+        return DIFFERENT if self.differences else EQUAL
+
+    @property
+    def fields(self) -> list[str]:
+        """The names of the differing fields ('cpu_capability', 'libraries.torch', ...)."""
+        return [difference.split(":", 1)[0] for difference in self.differences]
+
+    @property
+    def note(self) -> str:
+        """What the comparison says about a numerical mismatch, in a few words (one line)."""
+        if self.ours is None:
+            return "our reference.json records no numerics fingerprint"
+        if self.published is None:
+            return "the published numerics fingerprint is unknown (published.numerics is null)"
+        if self.differences:
+            return f"numerics fingerprint differs from the published one in {', '.join(self.fields)}"
+        return f"numerics fingerprint equal to the published one ({self.published_source})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "ours": self.ours,
+            "published": self.published,
+            "published_source": self.published_source,
+            "differences": self.differences,
+        }
+
+
 @dataclass
 class VerifyReport:
     checks: list[HashCheck]
+    numerics: NumericsCheck = field(default_factory=lambda: NumericsCheck(None, None))
     logits_comparison: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -87,16 +163,40 @@ class VerifyReport:
         return [check for check in self.checks if check.status == MISMATCH]
 
     @property
+    def not_reproducible(self) -> list[HashCheck]:
+        """Numerical mismatches under a different numerics fingerprint: not reproducible bit for bit here."""
+        if self.numerics.status != DIFFERENT:
+            return []
+        return [check for check in self.mismatches if check.kind == NUMERICAL]
+
+    def failures(self, strict: bool = False) -> list[HashCheck]:
+        """The mismatches that fail: every one with `strict`, else all but :attr:`not_reproducible`."""
+        excused = [] if strict else [check.name for check in self.not_reproducible]
+        return [check for check in self.mismatches if check.name not in excused]
+
+    @property
     def ok(self) -> bool:
+        """Nothing mismatches: every pinned hash reproduced bit for bit (what ``--strict`` asks)."""
         return not self.mismatches
+
+    @property
+    def passed(self) -> bool:
+        """No failure under the policy (the workflow's verify_hashes and a plain ``mixquant verify``)."""
+        return not self.failures()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "passed": self.passed,
             "counts": {
                 status: sum(c.status == status for c in self.checks)
                 for status in (MATCH, MISMATCH, NOT_PINNED)
             },
+            "mismatches": {
+                kind: [c.name for c in self.mismatches if c.kind == kind] for kind in (CONTENT, NUMERICAL)
+            },
+            "not_reproducible_bit_for_bit_here": [c.name for c in self.not_reproducible],
+            "numerics": self.numerics.to_json(),
             "hashes": {check.name: check.to_json() for check in self.checks},
             "reference_logits_comparison": self.logits_comparison,
         }
@@ -106,7 +206,7 @@ def published_values(published: Mapping[str, Any] | Any) -> dict[str, str | None
     """{hash name: published SHA-256 or None} from config ``published`` (a model or a dict)."""
     if not isinstance(published, Mapping):
         published = published.model_dump(mode="json")
-    unknown = sorted(set(published) - set(HASH_NAMES))
+    unknown = sorted(set(published) - set(HASH_NAMES) - {"numerics"})
     if unknown:
         raise ValueError(f"published: unknown hash {unknown[0]!r} (known: {', '.join(HASH_NAMES)})")
     values = {}
@@ -114,6 +214,21 @@ def published_values(published: Mapping[str, Any] | Any) -> dict[str, str | None
         value = published.get(name)
         values[name] = None if value in (None, "") else require_sha256_hex(value, f"published.{name}")
     return values
+
+
+def published_numerics(published: Mapping[str, Any] | Any) -> dict[str, Any] | None:
+    """Config ``published.numerics``: the decisive fingerprint of the published logits, or None (unknown)."""
+    if not isinstance(published, Mapping):
+        published = published.model_dump(mode="json")
+    value = published.get("numerics")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "decisive" in value:
+        raise ValueError(
+            "published.numerics: expected the decisive numerics fingerprint as a mapping (a release's "
+            f"{NUMERICS_JSON}), got {json.dumps(value)[:80]}"
+        )
+    return dict(value)
 
 
 def check_hashes(
@@ -146,15 +261,40 @@ def check_hashes(
     return checks
 
 
-def mismatch_line(report: VerifyReport) -> str:
-    """One line naming every mismatched hash with expected and got."""
+def mismatch_line(report: VerifyReport, checks: list[HashCheck] | None = None) -> str:
+    """One line naming every mismatched hash (or those of `checks`) with its kind, expected and got."""
     parts = []
-    for check in report.mismatches:
+    for check in report.mismatches if checks is None else checks:
         art = check.record.artifact
+        why = f" -- {report.numerics.note}" if check.kind == NUMERICAL else ""
         parts.append(
-            f"{check.name} is {check.got}, published {check.expected} ({art.stage} {art.key[:12]} {art.file})"
+            f"{check.name} is {check.got}, published {check.expected} "
+            f"({check.kind} hash, {art.stage} {art.key[:12]} {art.file}{why})"
         )
     return "published hash mismatch: " + "; ".join(parts)
+
+
+def verdict_line(report: VerifyReport, strict: bool = False) -> str:
+    """'passed', 'passed: ... not reproducible bit for bit here (...)' or 'FAILED: <reasons>' (one line)."""
+    failures = report.failures(strict)
+    if not failures:
+        excused = report.not_reproducible
+        if not excused:
+            return "passed"
+        return (
+            f"passed: {', '.join(c.name for c in excused)} {NOT_REPRODUCIBLE} ({report.numerics.note}); "
+            "--strict fails on it"
+        )
+    reasons = []
+    content = [c.name for c in failures if c.kind == CONTENT]
+    numerical = [c.name for c in failures if c.kind == NUMERICAL]
+    if content:
+        reasons.append(f"content mismatch: {', '.join(content)}")
+    if numerical and strict and report.numerics.status == DIFFERENT:
+        reasons.append(f"--strict: {', '.join(numerical)} {NOT_REPRODUCIBLE} ({report.numerics.note})")
+    elif numerical:
+        reasons.append(f"numerical mismatch: {', '.join(numerical)} ({report.numerics.note})")
+    return "FAILED: " + "; ".join(reasons)
 
 
 # -------------------------------------------------------------------------- how close are the logits
@@ -177,6 +317,58 @@ def find_published_reference(
     return None
 
 
+def published_logits(against: str | Path) -> tuple[Path, Path, dict[str, Any] | None]:
+    """(the logits file, the directory of its record, the decisive fingerprint recorded) of `--against`.
+
+    Accepted: a reference_logits output (logits.safetensors + reference.json), a release directory
+    (reference/logits.safetensors + reference/reference.json, numerics.json) or a logits file (its
+    record, if any, beside it). The fingerprint is the record's, else the release's numerics.json.
+    """
+    path = Path(against)
+    if path.is_file():
+        logits, record = path, path.parent
+    elif (path / LOGITS_FILE).is_file():
+        logits, record = path / LOGITS_FILE, path
+    elif (path / RELEASE_REFERENCE_DIR / LOGITS_FILE).is_file():
+        logits, record = path / RELEASE_REFERENCE_DIR / LOGITS_FILE, path / RELEASE_REFERENCE_DIR
+    else:
+        raise VerifyInputError(
+            f"--against {path}: no {LOGITS_FILE} there (give a reference_logits output, a release directory "
+            f"or a {LOGITS_FILE} file)"
+        )
+    numerics = recorded_numerics(reference_document(record))
+    release_numerics = path / NUMERICS_JSON
+    if numerics is None and record != path and release_numerics.is_file():
+        numerics = json.loads(release_numerics.read_text("utf-8"))
+    return logits, record, numerics
+
+
+def _engine_record(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine settings and info a reference.json records, without the fingerprint (compared apart)."""
+    engine = document.get("engine")
+    if isinstance(engine, Mapping):
+        engine = {name: value for name, value in engine.items() if name != "numerics"}
+    return {"engine_settings": document.get("engine_settings"), "engine": engine}
+
+
+def logits_closeness(published, ours) -> dict[str, Any]:
+    """max |published - ours|, mean KL(published || ours) and top-1 agreement over the positions."""
+    import torch
+
+    from mixquant.kld.stats import kld_statistics
+
+    difference = (published.to(torch.float64) - ours.to(torch.float64)).abs()
+    # KL needs no next tokens; kld_statistics wants some for its next-token statistics.
+    stats = kld_statistics(published, ours, torch.zeros(published.shape[0], dtype=torch.long))
+    per_position = stats["per_position"]
+    return {
+        "positions": int(published.shape[0]),
+        "max_abs_diff": float(difference.max()),
+        "mean_kl": float(per_position["kl"].mean()),
+        "top1_agreement": float(per_position["top1_same"].to(torch.float64).mean()),
+    }
+
+
 def compare_reference_logits(
     ours_dir: str | Path,
     published_sha256: str,
@@ -186,59 +378,60 @@ def compare_reference_logits(
 ) -> dict[str, Any]:
     """How close our reference logits are to the published ones (see the module docstring).
 
-    `against` names the published logits' reference_logits directory; without it one is searched for
-    under ``results_dir/reference_logits/``. ``found`` is False (with a ``note``) when none is known.
+    `against` names the published logits (:func:`published_logits`); without it a reference_logits output
+    with the published hash is searched for under ``results_dir/reference_logits/``. ``found`` is False
+    (with a ``note``) when none is known.
     """
-    import torch
     from safetensors.torch import load_file
 
-    from mixquant.kld.stats import kld_statistics
+    from mixquant.kld.run import logits_sha256
 
     ours_dir = Path(ours_dir)
     if against is None:
-        theirs = find_published_reference(results_dir, published_sha256, exclude=ours_dir)
-        if theirs is None:
+        against = find_published_reference(results_dir, published_sha256, exclude=ours_dir)
+        if against is None:
             return {
                 "found": False,
                 "note": f"no reference_logits output under {Path(results_dir) / 'reference_logits'} has the "
-                f"published logits hash {published_sha256[:12]}; give one with --against DIR to compare",
+                f"published logits hash {published_sha256[:12]}; give the published logits with --against "
+                f"(a reference_logits output, a release directory or a {LOGITS_FILE} file) to compare",
             }
-    else:
-        theirs = Path(against)
-        if not (theirs / LOGITS_FILE).is_file():
-            raise VerifyInputError(
-                f"--against {theirs}: no {LOGITS_FILE} there (give a reference_logits output)"
-            )
-    their_sha = reference_logits_hash(theirs).sha256
-    ref = load_file(str(theirs / LOGITS_FILE))["logits"]
+    logits_file, record, their_numerics = published_logits(against)
+    tensors = load_file(str(logits_file))
+    if "logits" not in tensors:
+        raise VerifyInputError(f"--against {against}: {logits_file} has no 'logits' tensor")
+    ref = tensors["logits"]
+    their_sha = logits_sha256(ref)
+    their = reference_document(record)
+    if their.get("sha256") not in (None, their_sha):
+        raise VerifyInputError(
+            f"--against {against}: {logits_file} hashes to {their_sha} but {record}/reference.json records "
+            f"{their['sha256']} (not the record of these logits)"
+        )
     cand = load_file(str(ours_dir / LOGITS_FILE))["logits"]
     result: dict[str, Any] = {
         "found": True,
-        "against": str(theirs),
+        "against": str(against),
+        "against_file": str(logits_file),
         "against_sha256": their_sha,
         "against_is_published": their_sha == published_sha256,
+        "against_numerics": their_numerics,
         "shape_published": list(ref.shape),
         "shape_ours": list(cand.shape),
     }
     if ref.shape != cand.shape:
         result["note"] = "the logits have different shapes: no per-position comparison"
     else:
-        difference = (ref.to(torch.float64) - cand.to(torch.float64)).abs()
-        # KL needs no next tokens; kld_statistics wants some for its next-token statistics.
-        stats = kld_statistics(ref, cand, torch.zeros(ref.shape[0], dtype=torch.long))
-        result.update(
-            positions=int(ref.shape[0]),
-            max_abs_diff=float(difference.max()),
-            mean_kl=float(stats["per_position"]["kl"].mean()),
-        )
-    recorded = ("engine_settings", "engine")
-    mine, their = reference_document(ours_dir), reference_document(theirs)
-    result["engine_differences"] = [
-        {"field": where, "published": left, "ours": right}
-        for where, left, right in diff_values(
-            {k: their.get(k) for k in recorded}, {k: mine.get(k) for k in recorded}
-        )
-    ]
+        result.update(logits_closeness(ref, cand))
+    if not their:
+        result["engine_differences"] = None  # no record beside the published logits: nothing to compare
+    else:
+        result["engine_differences"] = [
+            {"field": where, "published": left, "ours": right}
+            for where, left, right in diff_values(
+                _engine_record(their), _engine_record(reference_document(ours_dir))
+            )
+        ]
     return result
 
 
@@ -256,15 +449,25 @@ def verify_dirs(
 ) -> VerifyReport:
     """Re-derive the four hashes from the given keyed directories and compare them with `published`.
 
-    With `results_dir` (or `against`), a reference-logits mismatch also gets :func:`compare_reference_logits`.
+    Our numerics fingerprint (reference.json's) is compared with ``published.numerics``. With
+    `results_dir` (or `against`), a reference-logits mismatch also gets :func:`compare_reference_logits`;
+    when ``published.numerics`` is null, the fingerprint recorded beside the published logits found there
+    (their hash is the published one) stands in for it.
     """
     dirs = {"prompt": prompt, "reference_logits": reference_logits, "checkpoint": checkpoint}
     report = VerifyReport(check_hashes(published, **dirs))
+    ours = recorded_numerics(reference_document(reference_logits))
+    theirs = published_numerics(published)
+    report.numerics = NumericsCheck(ours, theirs, "published.numerics" if theirs is not None else None)
     logits = next(c for c in report.checks if c.name == "reference_logits")
     if logits.status == MISMATCH and (results_dir is not None or against is not None):
-        report.logits_comparison = compare_reference_logits(
+        comparison = compare_reference_logits(
             reference_logits, logits.expected, results_dir=results_dir or ".", against=against
         )
+        report.logits_comparison = comparison
+        if theirs is None and comparison.get("against_is_published") and comparison["against_numerics"]:
+            source = f"recorded beside the published logits, {comparison['against']}"
+            report.numerics = NumericsCheck(ours, comparison["against_numerics"], source)
     return report
 
 
@@ -294,47 +497,79 @@ def verify_artifacts(
     return verify_dirs(published, **dirs, results_dir=results_dir, against=against)
 
 
-def format_report(report: VerifyReport) -> str:
-    """A compact table: one row per hash, then the details of every mismatch and the logits comparison."""
-    rows = [("hash", "status", "published", "ours", "artifact")]
+def _numerics_lines(report: VerifyReport) -> list[str]:
+    numerics = report.numerics
+    lines = [f"reference logits numerics: {numerics.note}"]
+    for who, decisive in (("ours", numerics.ours), ("published", numerics.published)):
+        if decisive is not None:
+            lines.append(f"  {who.ljust(9)} {numerics_text(decisive)}")
+    lines += [f"  differs   {difference}" for difference in numerics.differences]
+    return lines
+
+
+def _comparison_lines(comparison: Mapping[str, Any]) -> list[str]:
+    if not comparison["found"]:
+        return [f"reference logits: {comparison['note']}"]
+    published = "published" if comparison["against_is_published"] else "NOT the published hash"
+    lines = [f"reference logits vs {comparison['against']} ({published}):"]
+    if "max_abs_diff" in comparison:
+        lines.append(
+            f"  max |diff| {comparison['max_abs_diff']:.6g}, mean KL(published || ours) "
+            f"{comparison['mean_kl']:.6g}, top-1 agreement {100.0 * comparison['top1_agreement']:.2f}% "
+            f"over {comparison['positions']} positions"
+        )
+    else:
+        lines.append(f"  {comparison['note']}")
+    diffs = comparison["engine_differences"]
+    if diffs is None:
+        lines.append("  recorded engine settings: none beside the published logits")
+    elif not diffs:
+        lines.append("  recorded engine settings: identical")
+    for diff in diffs or []:
+        theirs, ours = json.dumps(diff["published"]), json.dumps(diff["ours"])
+        lines.append(f"  {diff['field']}: published {theirs}, ours {ours}")
+    return lines
+
+
+def format_report(report: VerifyReport, strict: bool = False) -> str:
+    """A compact table (one row per hash, with its kind), then the details.
+
+    The details of every mismatch, the numerics fingerprints on a numerical one, the logits comparison,
+    the counts and, last, the verdict under the policy (:func:`verdict_line`).
+    """
+    rows = [("hash", "kind", "status", "published", "ours", "artifact")]
     for check in report.checks:
         art = None if check.record is None else check.record.artifact
         where = f"{art.stage}/{art.key[:12]}/{art.file}" if art is not None else check.note or "-"
-        rows.append((check.name, check.status, (check.expected or "-")[:12], (check.got or "-")[:12], where))
+        rows.append(
+            (
+                check.name,
+                check.kind,
+                check.status,
+                (check.expected or "-")[:12],
+                (check.got or "-")[:12],
+                where,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     for check in report.mismatches:
         lines += [
-            f"{check.name}: mismatch",
+            f"{check.name}: mismatch ({check.kind} hash)",
             f"  published {check.expected}",
             f"  ours      {check.got}",
             f"  artifact  {check.record.artifact.path}",
             f"  encoding  {check.record.encoding}",
         ]
-    comparison = report.logits_comparison
-    if comparison is not None:
-        if not comparison["found"]:
-            lines.append(f"reference logits: {comparison['note']}")
-        else:
-            published = "published" if comparison["against_is_published"] else "NOT the published hash"
-            lines.append(f"reference logits vs {comparison['against']} ({published}):")
-            if "max_abs_diff" in comparison:
-                lines.append(
-                    f"  max |diff| {comparison['max_abs_diff']:.6g}, mean KL(published || ours) "
-                    f"{comparison['mean_kl']:.6g} over {comparison['positions']} positions"
-                )
-            else:
-                lines.append(f"  {comparison['note']}")
-            diffs = comparison["engine_differences"]
-            if not diffs:
-                lines.append("  recorded engine settings: identical")
-            for diff in diffs:
-                theirs, ours = json.dumps(diff["published"]), json.dumps(diff["ours"])
-                lines.append(f"  {diff['field']}: published {theirs}, ours {ours}")
+    if any(check.kind == NUMERICAL for check in report.mismatches):
+        lines += _numerics_lines(report)
+    if report.logits_comparison is not None:
+        lines += _comparison_lines(report.logits_comparison)
     counts = report.to_json()["counts"]
     lines.append(f"{counts[MATCH]} match, {counts[MISMATCH]} mismatch, {counts[NOT_PINNED]} not pinned")
+    lines.append(verdict_line(report, strict))
     return "\n".join(lines)
 
 
@@ -347,18 +582,38 @@ def run_verify_hashes(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """Stage verify_hashes: verify.json when nothing mismatches, else one line naming the hash, no output."""
+    """Stage verify_hashes: verify.json when the policy passes, else one line naming the hash, no output.
+
+    A numerical mismatch under a different numerics fingerprint passes; it is logged, said on stderr in
+    one line ("not reproducible bit for bit here") and recorded in verify.json.
+    """
     report = verify_dirs(
         settings["published"], prompt=prompt, reference_logits=reference_logits, checkpoint=checkpoint
     )
     for check in report.checks:
         where = check.record.artifact.path if check.record is not None else check.note
-        log.info("%s: %s (%s, %s)", check.name, check.status, check.got, where)
-    if not report.ok:
-        raise HashMismatchError(mismatch_line(report) + "; `mixquant verify` says how close the logits are")
+        log.info("%s (%s hash): %s (%s, %s)", check.name, check.kind, check.status, check.got, where)
+    for line in _numerics_lines(report):
+        log.info("%s", line)
+    host = (reference_document(reference_logits).get("numerics") or {}).get("host")
+    if host:  # informative: under the portable profile another CPU model gives the same bits
+        log.info("reference logits host: %s", json.dumps(host, sort_keys=True))
+    failures = report.failures()
+    if failures:
+        hint = ""
+        if any(check.kind == NUMERICAL for check in failures):
+            hint = "; `mixquant verify --against PUBLISHED_LOGITS` says how close the logits are"
+        raise HashMismatchError(mismatch_line(report, failures) + hint)
+    if report.not_reproducible:
+        line = verdict_line(report)
+        log.warning("%s", line)
+        print(f"mixquant: verify_hashes {line}", file=sys.stderr)
     document = report.to_json()
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         (tmp / VERIFY_JSON).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", "utf-8")
-        summary.update(counts=document["counts"])
+        summary.update(
+            counts=document["counts"],
+            not_reproducible_bit_for_bit_here=document["not_reproducible_bit_for_bit_here"],
+        )
     return Path(out_dir)

@@ -44,13 +44,15 @@ def run_score_sensitivity(
 ) -> Path:
     """KL(BF16 || only layer L's routed experts in one format) for one chunk of MoE layers.
 
-    Weights: the ``layer_L`` quantize_layer results (``weights: rebuild``) or ModelOpt's own fake quant of
-    the BF16 weights (``weights: max``, FP8 input amax from ``activations``)."""
+    Weights: the ``layer_L`` quantize_layer results (``weights: rebuild``; ``layer_L`` names the window
+    holding layer L) or ModelOpt's own fake quant of the BF16 weights (``weights: max``, FP8 input amax
+    from ``activations``)."""
     import torch
     from safetensors.torch import load_file
 
     from mixquant.calibration.tokens import load_token_ids
     from mixquant.quantize.layer import LAYER_FILE
+    from mixquant.quantize.run import layer_result_dir
     from mixquant.search.score import load_search_model, modelopt_search_quant, sensitivity_scores
 
     fmt, wanted, weights = (
@@ -71,7 +73,9 @@ def run_score_sensitivity(
     check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
     model_ = load_search_model(model_dir)
     if weights == "rebuild":
-        quants = {layer: load_file(str(given[layer] / LAYER_FILE)) for layer in wanted}
+        quants = {
+            layer: load_file(str(layer_result_dir(given[layer], layer) / LAYER_FILE)) for layer in wanted
+        }
     else:
         from mixquant.quantize.run import activation_amax_for_layer
 
@@ -95,7 +99,8 @@ def run_score_sensitivity(
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         (tmp / SCORES_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        summary.update(format=fmt, layers=wanted, seconds=round(seconds, 3), threads=torch.get_num_threads())
+        summary.update(format=fmt, layers=wanted, threads=torch.get_num_threads())
+    log.info("scored %d layers in %s in %.1f s", len(wanted), fmt, seconds)
     for layer, value in scores.items():
         log.info("layer %d %s: %.6g KL/token", layer, fmt, value["kl_per_token"])
     return Path(out_dir)

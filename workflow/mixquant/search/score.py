@@ -168,8 +168,6 @@ def modelopt_search_quant(
 @contextlib.contextmanager
 def quantized_experts(model: torch.nn.Module, quant: LayerQuant) -> Iterator[None]:
     """Swap ``quant``'s weights into its layer's experts (and fake-quantize FP8 inputs) for the duration."""
-    from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
-
     experts = model.model.layers[quant.layer].mlp.experts
     params = (experts.gate_up_proj, experts.down_proj)
     new = (quant.gate_up, quant.down)
@@ -184,6 +182,8 @@ def quantized_experts(model: torch.nn.Module, quant: LayerQuant) -> Iterator[Non
     handles = []
     orig_linear = F.linear
     if quant.fmt == "fp8":
+        from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
+
         amax = {
             "gate_up": quant.gate_up_input_amax.to(experts.gate_up_proj.device),
             "down": quant.down_input_amax.to(experts.gate_up_proj.device),

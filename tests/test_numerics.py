@@ -1,0 +1,106 @@
+"""The portable CPU numerics profile: overrides what the shell exported, stops when it did not take effect."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mixquant.config import validate_config
+from mixquant.keys.artifacts import resolve_artifacts
+from mixquant.keys.stages import computes_on_cpu
+from mixquant.numerics import key_identity, portable_environment, profile_settings
+
+# A small random bf16 linear + SDPA forward (ATen's gemm and MKL's bf16 GEMM, the two code paths the toy's
+# logits go through on an AVX2 host), hashed, with the process's effective numerics.
+FORWARD = """
+import hashlib, json, sys
+from mixquant.numerics import enter
+fingerprint = enter()
+import torch
+torch.manual_seed(0)
+x = torch.randn(1, 2, 96, 64).to(torch.bfloat16)
+w = torch.randn(64, 64).to(torch.bfloat16)
+y = torch.nn.functional.scaled_dot_product_attention(x @ w, x, x, is_causal=True)
+digest = hashlib.sha256(y.float().numpy().tobytes()).hexdigest()
+print(json.dumps({"sha256": digest, "numerics": fingerprint["decisive"]}))
+"""
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {
+        k: v for k, v in os.environ.items() if k not in portable_environment() and k != "MIXQUANT_NUMERICS"
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_profile_overrides_what_the_shell_exported():
+    plain = _run(FORWARD)
+    hostile = _run(FORWARD, ATEN_CPU_CAPABILITY="default", MKL_CBWR="AUTO", OMP_NUM_THREADS="2")
+    assert plain.returncode == 0 and hostile.returncode == 0, plain.stderr + hostile.stderr
+    a, b = json.loads(plain.stdout), json.loads(hostile.stdout)
+    assert a == b  # same bits, same effective numerics
+    assert a["numerics"]["cpu_capability"] == "AVX2"
+    assert a["numerics"]["mkl_cbwr"] == "COMPATIBLE"
+    assert a["numerics"]["mkldnn"] is False and a["numerics"]["threads"] == 1
+
+
+def test_native_follows_the_shell_and_gives_other_bits_under_another_capability():
+    portable = json.loads(_run(FORWARD).stdout)
+    native = _run(FORWARD, MIXQUANT_NUMERICS="native:1", ATEN_CPU_CAPABILITY="default")
+    assert native.returncode == 0, native.stderr
+    document = json.loads(native.stdout)
+    assert document["numerics"]["profile"] == "native" and document["numerics"]["cpu_capability"] == "DEFAULT"
+    assert document["sha256"] != portable["sha256"]  # the knob the profile pins really decides bits
+
+
+def test_a_process_whose_capability_was_fixed_before_stops_with_one_line():
+    code = (
+        "import os, torch\n"
+        "os.environ['ATEN_CPU_CAPABILITY'] = 'default'\n"
+        "torch.ones(4) + 1\n"  # the dispatch reads the capability once: DEFAULT from here on
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+        "from mixquant.numerics import NumericsError, enter\n"
+        "try:\n    enter('portable', 1)\nexcept NumericsError as e:\n    print('ERROR', e)\n"
+    )
+    result = _run(code)
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "DEFAULT", result.stderr
+    assert lines[1].startswith("ERROR numerics profile 'portable' needs ATen CPU capability AVX2")
+    assert len(lines) == 2
+
+
+def test_key_identity_is_host_independent_only_when_portable():
+    assert key_identity("portable", 1) == profile_settings("portable", 1)
+    assert "host_isa" not in key_identity("portable", 1)
+    assert key_identity("native", 1)["host_isa"] in ("avx512", "avx2", "default")
+    with pytest.raises(RuntimeError, match="unknown profile"):
+        profile_settings("fast")
+
+
+def _raw() -> dict:
+    return yaml.safe_load((Path(__file__).parents[1] / "config" / "config.yaml").read_text())
+
+
+def _keys(**numerics):
+    raw = _raw()
+    raw["numerics"] = {**raw.get("numerics", {}), **numerics}
+    return {name: art.key for name, art in resolve_artifacts(validate_config(raw)).items()}
+
+
+def test_profile_enters_the_keys_of_computing_stages_only():
+    portable, native, threads = _keys(cpu="portable"), _keys(cpu="native"), _keys(threads=2)
+    for name, art in resolve_artifacts(validate_config(_raw())).items():
+        config = art.preimage["config"]
+        assert ("numerics" in config) == computes_on_cpu(art.stage), name
+        if computes_on_cpu(art.stage):
+            assert config["numerics"] == key_identity("portable", 1)
+            assert art.settings["numerics"] == {"profile": "portable", "threads": 1}
+            assert portable[name] != native[name] and portable[name] != threads[name], name
+    assert portable == _keys()  # the default is portable, one thread

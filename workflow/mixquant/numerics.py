@@ -1,0 +1,264 @@
+"""The CPU numerics profile: the same bits from every x86-64 CPU with AVX2 (../shared/NUMERICS.md).
+
+A bf16 forward on CPU runs through three libraries whose code path depends on the host: ATen's own
+kernels (chosen by its CPU capability: AVX2 vs AVX512), MKL (its conditional numerical
+reproducibility mode; ``MKL_CBWR=AVX2`` is ignored on non-Intel CPUs, ``COMPATIBLE`` applies on any
+vendor) and oneDNN (PyTorch sends bf16 Linear layers to it only on hosts whose oneDNN ISA is AVX512 or
+more). The ``portable`` profile pins all three and the thread counts; ``native`` leaves the host's
+defaults (faster, and the host's ISA then enters the keys).
+
+The libraries read these settings lazily, so :func:`enter` sets the environment (overriding what the
+shell exported) and then checks what is *effective*: ATen's capability and MKL's CBWR mode as the
+libraries report them. A process where they differ from the profile stops with one line. The profile
+is recorded in every manifest and in the engine info (:func:`fingerprint`) and enters the keys of the
+stages whose numbers it decides (:func:`key_identity`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+PROFILES = ("portable", "native")
+DEFAULT_THREADS = 1
+
+# MKL's CBWR branch codes (mkl_cbwr.h): what mkl_cbwr_get(MKL_CBWR_ALL) reports.
+MKL_CBWR_ALL = 1
+MKL_CBWR_NAMES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 9: "AVX2", 10: "AVX512"}
+PORTABLE_CAPABILITY = "AVX2"
+PORTABLE_CBWR = "COMPATIBLE"
+
+
+class NumericsError(RuntimeError):
+    """The process does not compute under the profile it was asked for (one line)."""
+
+
+def portable_environment(threads: int = DEFAULT_THREADS) -> dict[str, str]:
+    """Environment of the portable profile: read by ATen, MKL, oneDNN and OpenMP at first use."""
+    return {
+        "ATEN_CPU_CAPABILITY": "avx2",  # ATen's own kernels: the AVX2 build on every AVX2+ host
+        "ONEDNN_MAX_CPU_ISA": "AVX2",  # keeps oneDNN's AVX512/AMX bf16 paths off (and PyTorch off oneDNN)
+        "MKL_CBWR": PORTABLE_CBWR,  # one MKL code path on Intel and AMD alike
+        "MKL_DYNAMIC": "FALSE",
+        "OMP_DYNAMIC": "FALSE",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    }
+
+
+def profile_settings(profile: str = "portable", threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """What a profile pins (recorded in manifests and keys)."""
+    if profile not in PROFILES:
+        raise NumericsError(f"numerics.cpu: unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    if profile == "native":
+        return {"cpu": "native", "threads": threads}
+    return {
+        "cpu": "portable",
+        "threads": threads,
+        "environment": portable_environment(threads),
+        "mkldnn": False,
+        "float32_matmul_precision": "highest",
+        "cpu_capability": PORTABLE_CAPABILITY,
+        "mkl_cbwr": PORTABLE_CBWR,
+    }
+
+
+def host_isa() -> str:
+    """The best x86 SIMD level of this host from /proc/cpuinfo ('avx512', 'avx2', 'default')."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.machine() or "unknown"
+    words = set(flags.split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= words:
+        return "avx512"
+    if "avx2" in words and "fma" in words:
+        return "avx2"
+    return "default"
+
+
+def key_identity(profile: str = "portable", threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """What enters the key of a stage whose numbers the CPU decides.
+
+    portable: the pinned settings (the same on every AVX2 host); native: the host's ISA, because the
+    bits then depend on it.
+    """
+    settings = profile_settings(profile, threads)
+    if profile == "native":
+        settings["host_isa"] = host_isa()
+    return settings
+
+
+def apply_environment(profile: str = "portable", threads: int = DEFAULT_THREADS) -> None:
+    """Set the profile's environment in this process (inherited by its children), overriding the shell's.
+
+    Call it before torch is imported; :func:`enter` checks afterwards that it took effect.
+    """
+    settings = profile_settings(profile, threads)
+    if profile == "portable":
+        os.environ.update(settings["environment"])
+    else:
+        os.environ.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    os.environ["MIXQUANT_NUMERICS"] = f"{profile}:{threads}"
+
+
+def requested() -> tuple[str, int]:
+    """(profile, threads) this process was started under (MIXQUANT_NUMERICS), default portable:1."""
+    value = os.environ.get("MIXQUANT_NUMERICS", f"portable:{DEFAULT_THREADS}")
+    profile, _, threads = value.partition(":")
+    try:
+        return profile, int(threads or DEFAULT_THREADS)
+    except ValueError:
+        raise NumericsError(f"MIXQUANT_NUMERICS={value!r}: expected PROFILE:THREADS") from None
+
+
+@cache
+def _mkl_cbwr_getter():
+    """MKL's cbwr_get from the MKL that torch links statically (None where it is not exported)."""
+    import torch
+
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError:
+        return None
+    for symbol in ("mkl_cbwr_get", "mkl_serv_cbwr_get"):
+        function = getattr(lib, symbol, None)
+        if function is not None:
+            function.restype = ctypes.c_int
+            function.argtypes = [ctypes.c_int]
+            return function
+    return None
+
+
+def effective_mkl_cbwr() -> str | None:
+    """MKL's effective CBWR mode as MKL reports it (None where it cannot be asked)."""
+    getter = _mkl_cbwr_getter()
+    if getter is None:
+        return None
+    code = int(getter(MKL_CBWR_ALL))
+    return MKL_CBWR_NAMES.get(code, str(code))
+
+
+def enter(profile: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Apply the profile in this process, import torch, check it took effect; the fingerprint.
+
+    Raises NumericsError (one line) when ATen's capability or MKL's CBWR mode is not the profile's:
+    a host without AVX2, or a library that had already read other settings.
+    """
+    asked_profile, asked_threads = requested()
+    profile = profile or asked_profile
+    threads = threads or asked_threads
+    apply_environment(profile, threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    if profile == "portable":
+        torch.backends.mkldnn.enabled = False
+        torch.set_float32_matmul_precision("highest")
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability != PORTABLE_CAPABILITY:
+            raise NumericsError(
+                f"numerics profile 'portable' needs ATen CPU capability {PORTABLE_CAPABILITY}, this process "
+                f"runs {capability} (host ISA {host_isa()}; use numerics.cpu: native on a host without AVX2)"
+            )
+        cbwr = effective_mkl_cbwr()
+        if cbwr not in (None, PORTABLE_CBWR):
+            raise NumericsError(
+                f"numerics profile 'portable' needs MKL_CBWR {PORTABLE_CBWR}, MKL runs {cbwr} "
+                "(MKL was initialised before the profile was applied)"
+            )
+    return fingerprint()
+
+
+def _cpu_model() -> dict[str, str]:
+    info = {"vendor": "unknown", "model": platform.processor() or "unknown"}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "vendor_id":
+                info["vendor"] = value.strip()
+            elif name.strip() == "model name":
+                info["model"] = value.strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+# Every field a decisive fingerprint may hold: fingerprint()'s (host_isa under native only) and what the
+# vllm engine adds (mixquant.kld.engines). Config published.numerics refuses any other, since a mistyped
+# field would make two fingerprints differ and so excuse a logits mismatch (mixquant.release.verify).
+DECISIVE_FIELDS = (
+    "device",
+    "profile",
+    "threads",
+    "cpu_capability",
+    "mkl_cbwr",
+    "mkldnn",
+    "libraries",
+    "python",
+    "host_isa",
+    "gpu",
+    "tensor_parallel_size",
+)
+
+
+def fingerprint(device: str = "cpu") -> dict[str, Any]:
+    """What decides this process's numbers: device, profile, effective capability, library versions.
+
+    ``decisive`` fields must be equal for two runs to promise the same bits; ``host`` is informative
+    (under the portable profile another CPU model still gives the same bits).
+    """
+    import torch
+
+    profile, threads = requested()
+    versions = {"torch": torch.__version__, "mkl": None, "onednn": None}
+    config = torch.__config__.show()
+    for line in config.splitlines():
+        if "Math Kernel Library Version" in line:
+            versions["mkl"] = line.split("Version", 1)[1].split("Product")[0].strip(" -")
+        elif "MKL-DNN v" in line:
+            versions["onednn"] = line.split("MKL-DNN v", 1)[1].split()[0]
+    for package in ("transformers", "nvidia-modelopt", "safetensors"):
+        from importlib import metadata
+
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    decisive = {
+        "device": device,
+        "profile": profile if device == "cpu" else "gpu",
+        "threads": threads if device == "cpu" else None,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability() if device == "cpu" else None,
+        "mkl_cbwr": effective_mkl_cbwr() if device == "cpu" else None,
+        "mkldnn": bool(torch.backends.mkldnn.enabled),
+        "libraries": versions,
+        "python": platform.python_version(),
+    }
+    if profile == "native" and device == "cpu":
+        decisive["host_isa"] = host_isa()
+    host = {**_cpu_model(), "isa": host_isa(), "machine": platform.machine()}
+    return {"decisive": decisive, "host": host}
+
+
+def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Decisive fingerprint fields that differ, as 'field: theirs -> ours' (empty when equal)."""
+    from mixquant.jsonio import diff_values
+
+    return [
+        f"{where}: {left!r} -> {right!r}"
+        for where, left, right in diff_values(theirs.get("decisive", {}), ours.get("decisive", {}))
+    ]
+
+
+def main_module_guard() -> None:
+    """Apply the requested profile's environment if torch is not imported yet (library entry points)."""
+    if "torch" not in sys.modules:
+        apply_environment(*requested())

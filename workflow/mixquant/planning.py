@@ -1,0 +1,255 @@
+"""Checks at planning time, and what the end of a run reports.
+
+``check_plan`` runs before Snakemake builds its DAG (workflow/rules/common.smk) and before every
+``mixquant`` command that reads a config: what only a later stage would find out (a path that leaves
+the working directory, a prompt longer than the model's context, a budget no placement can meet, a pin
+on a layer that is not a MoE layer) stops here, as one ``ConfigError`` line naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from mixquant.config import ConfigError, MixquantConfig, parse_layer_ranges
+from mixquant.keys.artifacts import Artifact, moe_layers
+from mixquant.rulelog import failure_marker, stage_log_path
+
+ALLOW_OUTSIDE = "set allow_outside_workdir: true to allow it"
+
+# search_groups gives every MoE layer the routed size of config.json; where no config.json is known
+# (a hub model without model.geometry) every layer weighs the same, which gives the same bounds.
+_UNIFORM_MOE = {"num_experts": 1, "hidden_size": 1, "moe_intermediate_size": 1, "num_experts_per_tok": 1}
+
+
+def check_plan(cfg: MixquantConfig, source: str = "config", root: Path = Path(".")) -> None:
+    """Raise ConfigError (one line naming the key) for a config that cannot run in workdir ``root``."""
+    if not cfg.allow_outside_workdir:
+        for key, value in config_paths(cfg):
+            if reason := outside_workdir(value, root):
+                raise ConfigError(
+                    f"{source}: config key '{key}': {value!r} is outside the working directory "
+                    f"({reason}); {ALLOW_OUTSIDE}"
+                )
+    model_config = planning_model_config(cfg, source, root)
+    _check_layers(cfg, source, model_config)
+    _check_context(cfg, source, model_config)
+    if cfg.placement.source == "search":
+        _check_budget(cfg, source, model_config)
+
+
+# ------------------------------------------------------------------------------------------ paths
+
+
+def config_paths(cfg: MixquantConfig) -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every path the config names."""
+    yield "results_dir", cfg.results_dir
+    if cfg.model.local is not None:
+        yield "model.local.path", cfg.model.local.path
+    if cfg.model.geometry is not None:
+        yield "model.geometry", cfg.model.geometry
+    if cfg.dataset.local is not None:
+        yield "dataset.local.path", cfg.dataset.local.path
+    if cfg.prompt.token_ids_file is not None:
+        yield "prompt.token_ids_file", cfg.prompt.token_ids_file
+    for index, candidate in enumerate(cfg.kld.candidates):
+        if candidate.local is not None:
+            yield f"kld.candidates.{index}.local.path", candidate.local.path
+
+
+def outside_workdir(value: str, root: Path = Path(".")) -> str | None:
+    """Why ``value`` leads outside workdir ``root`` (None: it stays inside).
+
+    Checked on the words first: an absolute path must lie under the workdir and ``..`` must not climb
+    out of it. Then on the disk, but from the workdir's top-level entries down: a top-level symlink
+    (a shared data/ or a results/ on a scratch disk) is the workdir's own setup and trusted, a symlink
+    below it that leads out of its target is not.
+    """
+    path = Path(value)
+    if path.is_absolute():
+        path = Path(os.path.normpath(path))
+        for base in (Path(os.path.abspath(root)), Path(root).resolve()):
+            if path.is_relative_to(base):
+                path = path.relative_to(base)
+                break
+        else:
+            return "an absolute path elsewhere"
+    depth = 0
+    for part in path.parts:
+        depth += -1 if part == ".." else 0 if part == "." else 1
+        if depth < 0:
+            return "'..' climbs out of it"
+    parts = [part for part in path.parts if part != "."]
+    if not parts:
+        return None
+    top = Path(root) / parts[0]
+    base = top.resolve() if top.is_symlink() else Path(root).resolve()
+    target = (Path(root) / path).resolve()
+    if not target.is_relative_to(base):
+        return f"a symlink leads to {target}"
+    return None
+
+
+# --------------------------------------------------------------------------------------- geometry
+
+
+def planning_model_config(cfg: MixquantConfig, source: str, root: Path = Path(".")) -> dict | None:
+    """The model's config.json as planning knows it: the toy's, model.geometry, or a local model's own
+    config.json; None for a hub model without model.geometry."""
+    if cfg.model.source == "toy":
+        from mixquant.costs import toy_geometry
+
+        arch = cfg.model.toy.arch
+        return {**toy_geometry(cfg).to_hf_config(), "max_position_embeddings": arch.max_position_embeddings}
+    if cfg.model.geometry is not None:
+        key, path = "model.geometry", Path(root) / cfg.model.geometry
+    elif cfg.model.local is not None and (Path(root) / cfg.model.local.path / "config.json").is_file():
+        key, path = "model.local.path", Path(root) / cfg.model.local.path / "config.json"
+    else:
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{source}: config key '{key}': cannot read {path} ({error})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: config key '{key}': {path} is not a config.json object")
+    return config
+
+
+def _context_key(cfg: MixquantConfig) -> str:
+    if cfg.model.source == "toy":
+        return "model.toy.arch.max_position_embeddings"
+    return "model.geometry" if cfg.model.geometry is not None else "model.local.path"
+
+
+def _check_context(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:
+    """Prompt and calibration sequences within the model's context (and vLLM's reserved length)."""
+    context = (model_config or {}).get("max_position_embeddings")
+    if isinstance(context, int):
+        for key, length in (
+            ("prompt.seq_len", cfg.prompt.seq_len),
+            ("calibration.seq_len", cfg.calibration.seq_len),
+        ):
+            if length > context:
+                raise ConfigError(
+                    f"{source}: config key '{key}': {length} tokens exceed the model's "
+                    f"max_position_embeddings {context} ({_context_key(cfg)}); feasible: 2..{context}"
+                )
+    reserved = cfg.kld.max_model_len
+    if cfg.kld.engine == "vllm" and reserved is not None and reserved < cfg.prompt.seq_len:
+        upper = context if isinstance(context, int) else "max_position_embeddings"
+        raise ConfigError(
+            f"{source}: config key 'kld.max_model_len': {reserved} is shorter than prompt.seq_len "
+            f"{cfg.prompt.seq_len}; feasible: {cfg.prompt.seq_len}..{upper}"
+        )
+
+
+def _check_layers(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:
+    """model.moe_layers within the model, and every pin and explicit entry on a MoE layer."""
+    layers = moe_layers(cfg)
+    total = (model_config or {}).get("num_hidden_layers")
+    if cfg.model.source != "toy" and isinstance(total, int) and layers[-1] >= total:
+        raise ConfigError(
+            f"{source}: config key 'model.moe_layers': layer {layers[-1]} is beyond the model's "
+            f"{total} layers (0..{total - 1}, {_context_key(cfg)})"
+        )
+    named = [
+        (f"placement.search.pins.{i}.layers", pin.layers) for i, pin in enumerate(cfg.placement.search.pins)
+    ]
+    if cfg.placement.source == "explicit":
+        named += [
+            (f"placement.explicit.layers.{i}.layers", entry.layers)
+            for i, entry in enumerate(cfg.placement.explicit.layers)
+        ]
+    for c, candidate in enumerate(cfg.kld.candidates):
+        if candidate.explicit is not None:
+            named += [
+                (f"kld.candidates.{c}.explicit.layers.{i}.layers", entry.layers)
+                for i, entry in enumerate(candidate.explicit.layers)
+            ]
+    known = set(layers)
+    for key, text in named:
+        missing = [layer for layer in parse_layer_ranges(text) if layer not in known]
+        if missing:
+            from mixquant.release.recipe import layer_ranges
+
+            raise ConfigError(
+                f"{source}: config key '{key}': layer {missing[0]} is not a MoE layer "
+                f"(the MoE layers are {layer_ranges(layers)})"
+            )
+
+
+def effective_bits_range(cfg: MixquantConfig, model_config: dict | None = None) -> tuple[float, float]:
+    """(cheapest, most expensive) routed effective bits a placement can reach under the formats and pins,
+    on the groups solve_placement builds (mixquant.search.run.search_groups)."""
+    from mixquant.keys.artifacts import placement_pins
+    from mixquant.search.run import search_groups
+    from mixquant.search.solve import max_effective_bits, min_effective_bits
+
+    layers = moe_layers(cfg)
+    settings = {
+        "moe_layers": layers,
+        "formats": list(cfg.placement.formats),
+        "cost_model": cfg.placement.cost_model,
+        "pins": placement_pins(cfg),
+    }
+    zero_scores = {layer: dict.fromkeys(cfg.placement.formats, 0.0) for layer in layers}
+    groups = search_groups(settings, zero_scores, model_config or _UNIFORM_MOE)
+    return min_effective_bits(groups), max_effective_bits(groups)
+
+
+def _check_budget(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:
+    from mixquant.keys.artifacts import placement_pins
+    from mixquant.search.solve import BUDGET_TOL
+
+    try:
+        low, high = effective_bits_range(cfg, model_config)
+    except ValueError as error:  # a config.json without the MoE geometry
+        raise ConfigError(f"{source}: config key '{_context_key(cfg)}': {error}") from None
+    target = cfg.placement.target_effective_bits
+    if target < low - BUDGET_TOL or target > high + BUDGET_TOL:
+        pinned = len(placement_pins(cfg))
+        raise ConfigError(
+            f"{source}: config key 'placement.target_effective_bits': {target:g} is out of reach; feasible: "
+            f"{low:.4g}..{high:.4g} (formats {', '.join(cfg.placement.formats)}"
+            + (f"; {pinned} of {len(moe_layers(cfg))} MoE layers pinned)" if pinned else ")")
+        )
+
+
+# -------------------------------------------------------------------------------------- run's end
+
+
+def artifact_state(art: Artifact, results_dir: str | Path) -> str:
+    """done (its manifest is there), failed (its stage left a failure marker beside its log) or todo."""
+    if art.done:
+        return "done"
+    if failure_marker(stage_log_path(results_dir, art.stage, art.key)).is_file():
+        return "failed"
+    return "todo"
+
+
+def run_end_lines(artifacts: dict[str, Artifact], succeeded: bool = True) -> list[str]:
+    """What a finished run prints: where the release and the checkpoint are (those that are built)."""
+    lines = [
+        f"mixquant: {label}: {artifacts[name].path}"
+        for name, label in (("release", "release"), ("checkpoint", "checkpoint"))
+        if name in artifacts and artifacts[name].done
+    ]
+    if not succeeded:
+        lines.append("mixquant: the run stopped: `mixquant paths` shows which stages failed, and their logs")
+    elif not lines:
+        lines.append("mixquant: done; no checkpoint or release built yet: `mixquant paths` shows what is")
+    return lines
+
+
+def report_run_end(cfg: MixquantConfig, hash_cache_dir: Path | None, succeeded: bool) -> list[str]:
+    """run_end_lines on the graph as it stands now (the placement included once it is solved)."""
+    from mixquant.keys.artifacts import resolve_artifacts
+
+    try:
+        artifacts = resolve_artifacts(cfg, hash_cache_dir=hash_cache_dir)
+    except (OSError, ValueError) as error:  # a run's end hook reports, it never fails the run
+        return [f"mixquant: cannot list the outputs ({error})"]
+    return run_end_lines(artifacts, succeeded)
