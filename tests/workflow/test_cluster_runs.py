@@ -24,8 +24,7 @@ SLURM_TOOLS = REPO / "tools" / "slurm-local"
 
 def slice_targets(wd) -> dict[str, str]:
     """One job of every kind of rule before the placement's solve, GPU-requesting ones included:
-    the toy model, calibration, prompt, activation statistics, the FP8 layers of the first score
-    chunk, that chunk's score job, the BF16 reference logits and one KLD run of the BF16 candidate."""
+    the toy model, calibration, prompt, activation statistics, the FP8 layer window, that chunk's score job, the BF16 reference logits and one KLD run of the BF16 candidate."""
     paths = wd.paths()
     scores = sorted(name for name in paths if name.startswith("scores/fp8/"))[0]
     first, last = map(int, scores.rsplit("/", 1)[1].split("-"))
@@ -36,9 +35,9 @@ def slice_targets(wd) -> dict[str, str]:
         "activations",
         scores,
         "reference_logits",
-        "kld/bf16/bfloat16/0",
+        "kld/bf16/bfloat16",
     ]
-    names += [f"layer/{layer}/fp8" for layer in range(first, last + 1)]
+    names += sorted(name for name in paths if name.startswith("layers/fp8/"))
     return {name: paths[name]["path"] for name in names}
 
 
@@ -76,7 +75,7 @@ def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_wor
     seconds = time.monotonic() - started
     log = result.stdout + result.stderr
     submitted = re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", log)
-    kinds = {"build_toy_model", "sample_calibration", "pin_prompt", "collect_activation_stats"}
+    kinds = {"fetch_model", "sample_calibration", "pin_prompt", "collect_activation_stats"}
     kinds |= {"quantize_layer", "score_sensitivity", "reference_logits", "run_kld"}
     ran = set(re.findall(r"^rule (\w+):$", log, re.M))
     assert kinds <= ran, ran

@@ -43,7 +43,7 @@ def test_runs_aggregates_and_verdicts(built_workdir):
     wd = built_workdir
     paths = wd.paths()
     runs = [name for name in paths if name.startswith("kld/")]
-    assert len(runs) == len(CANDIDATES) * len(KV) * 5
+    assert len(runs) == len(CANDIDATES) * len(KV)  # one job per candidate x KV dtype, 5 runs inside
     aggregates = {}
     for candidate in CANDIDATES:
         for kv in KV:

@@ -8,18 +8,18 @@ import pytest
 # Up to the solve_placement checkpoint: the rebuild of the placement and the export are planned once
 # Snakemake has the placement (they appear in the plan of a later run).
 TOY_DAG = {
-    "build_toy_model": 1,
+    "fetch_model": 1,  # the shipped toy (data/toy-laguna), pinned by content: nothing trains
     "sample_calibration": 1,
     "pin_prompt": 1,
     "collect_activation_stats": 1,
-    "quantize_layer": 16,  # every MoE layer in NVFP4 and in FP8: the weights the search scores
+    "quantize_layer": 2,  # one window per format, every MoE layer in NVFP4 and in FP8: what the search scores
     "score_sensitivity": 4,  # 2 formats x 2 chunks of 4 layers
     "solve_placement": 1,
     # KLD of what does not depend on the placement: the uniform-NVFP4 candidate (its export reuses the
-    # search's NVFP4 layer results) and the BF16 self-check, 2 KV dtypes x 5 runs each, and their gates
+    # search's NVFP4 layer results) and the BF16 self-check, 2 KV dtypes each (5 runs per job), and gates
     "export_checkpoint": 1,
     "reference_logits": 1,
-    "run_kld": 20,
+    "run_kld": 4,
     "gate_kld": 4,
 }
 
@@ -32,14 +32,14 @@ def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
     config = workdir.config()
     config["placement"]["source"] = "explicit"
     assert workdir.plan(workdir.write_config("config/explicit.yaml", config)) == {
-        "build_toy_model": 1,
+        "fetch_model": 1,
         "sample_calibration": 1,
         "pin_prompt": 1,
         "collect_activation_stats": 1,
-        "quantize_layer": 12,  # each MoE layer in its placed format, + layers 5-8 in NVFP4 (uniform)
+        "quantize_layer": 3,  # one window per format placed (NVFP4 also covers the uniform candidate)
         "export_checkpoint": 2,  # the placement's and the uniform-NVFP4 candidate's
         "reference_logits": 1,
-        "run_kld": 30,  # 3 candidates x 2 KV dtypes x 5 runs
+        "run_kld": 6,  # 3 candidates x 2 KV dtypes, 5 fresh-engine runs in each job
         "gate_kld": 6,
         "kld_report": 1,
         "check_kld_gates": 1,
@@ -58,7 +58,7 @@ def test_reference_config_plans_without_weights(workdir):
         "solve_placement": 1,
         "fetch_model": 2,  # the BF16 model and the pinned baseline checkpoint
         "reference_logits": 1,
-        "run_kld": 10,  # the baseline, 2 KV dtypes x 5 runs; the searched candidate's follow the solve
+        "run_kld": 2,  # the baseline, 2 KV dtypes (5 runs each); the searched candidate's follow the solve
         "gate_kld": 2,
     }
     paths = workdir.paths("config/laguna-s-2.1.yaml")
@@ -125,7 +125,7 @@ LAGUNA_PLAN = {
     "solve_placement": 1,
     "fetch_model": 2,
     "reference_logits": 1,
-    "run_kld": 10,
+    "run_kld": 2,
     "gate_kld": 2,
 }
 
@@ -171,12 +171,12 @@ def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(wo
     for rule, count in LAGUNA_PLAN.items():
         assert rows[(rule, False)]["jobs"] == count, rule
     # after the solve, with placement.explicit (39/3/5) standing in: the 5 BF16 layers, the export and
-    # the searched candidate's 2 x 5 runs, its 2 gates, the report and the verdict
+    # the searched candidate's 2 run jobs (5 runs each), its 2 gates, the report and the verdict
     later = {stage: row["jobs"] for (stage, after), row in rows.items() if after}
     assert later == {
         "quantize_layer": 5,
         "export_checkpoint": 1,
-        "run_kld": 10,
+        "run_kld": 2,
         "gate_kld": 2,
         "kld_report": 1,
         "check_kld_gates": 1,

@@ -29,7 +29,17 @@ def _placed(wd, paths) -> tuple[dict[int, str], dict[str, dict]]:
     paths also list the uniform-NVFP4 KLD candidate's layers)."""
     config = read_manifest(wd.root / paths["checkpoint"]["path"])["preimage"]["config"]
     placement = {int(layer): fmt for layer, fmt in config["placement"].items()}
-    layers = {f"layer/{layer}/{fmt}": paths[f"layer/{layer}/{fmt}"] for layer, fmt in placement.items()}
+    layers = {}
+    for layer, fmt in placement.items():
+        for name, row in paths.items():  # the quantize_layer window of that format holding the layer
+            if name.startswith(f"layers/{fmt}/"):
+                first, last = map(int, name.rsplit("/", 1)[1].split("-"))
+                if first <= layer <= last:
+                    layers[f"layer/{layer}/{fmt}"] = {
+                        "window": row["path"],
+                        "path": f"{row['path']}/layer_{layer}",
+                    }
+    assert len(layers) == len(placement)
     return placement, layers
 
 
@@ -78,7 +88,7 @@ def test_quantize_layer_equals_modelopt_export(built_workdir, explicit, tmp_path
                 tensor.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
             ), key
             compared += 1
-        assert read_manifest(wd.root / row["path"])["preimage"]["config"]["format"] == placement[layer]
+        assert read_manifest(wd.root / row["window"])["preimage"]["config"]["format"] == placement[layer]
     # 16 experts x 3 projections: BF16 1 tensor each (2 layers), NVFP4 3 (4 layers), FP8 3 (2 layers)
     assert compared == 16 * 3 * (2 * 1 + 4 * 3 + 2 * 3)
 

@@ -73,9 +73,9 @@ def test_replay_from_the_recipe_alone(built_workdir, workdir):
     replayed = rebuild.paths(RECIPE)
     assert not any(row["done"] for row in replayed.values())  # nothing shared: no results at all
     built = {name: row for name, row in paths.items() if row["stage"] not in SEARCH_STAGES}
-    placed = {name for name in replayed if name.startswith("layer/")}
+    placed = {name for name in replayed if name.startswith("layers/")}
     assert placed <= set(built)
-    same = sorted(name for name in built if not name.startswith("layer/") and name != "release")
+    same = sorted(name for name in built if not name.startswith("layers/") and name != "release")
     assert {n: replayed[n]["key"] for n in same} == {n: built[n]["key"] for n in same}
     assert {n: replayed[n]["key"] for n in placed} == {n: built[n]["key"] for n in placed}
     assert {"checkpoint", "reference_logits", "kld_verdict", "verify"} <= set(same)
