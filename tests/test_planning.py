@@ -196,16 +196,16 @@ def test_a_finished_run_names_the_release_and_the_checkpoint(tmp_path):
     release = _artifact(tmp_path, "release", "assemble_release", "a" * 64, True)
     checkpoint = _artifact(tmp_path, "checkpoint", "export_checkpoint", "b" * 64, True)
     assert run_end_lines({"checkpoint": checkpoint, "release": release}) == [
-        f"mixquant: release: {release.path}",
-        f"mixquant: checkpoint: {checkpoint.path}",
+        f"mixquant run release: {release.path}",
+        f"mixquant run checkpoint: {checkpoint.path}",
     ]
     stopped = run_end_lines({"checkpoint": checkpoint}, succeeded=False)
     assert stopped == [
-        f"mixquant: checkpoint: {checkpoint.path}",
-        "mixquant: the run stopped: `mixquant paths` shows which stages failed, and their logs",
+        f"mixquant run checkpoint: {checkpoint.path}",
+        "mixquant run stopped: `mixquant paths` shows which stages failed, and their logs",
     ]
     assert run_end_lines({}) == [
-        "mixquant: done; no checkpoint or release built yet: `mixquant paths` shows what is"
+        "mixquant run done; no checkpoint or release built yet: `mixquant paths` shows what is"
     ]
 
 

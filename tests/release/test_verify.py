@@ -585,6 +585,7 @@ def test_cli_verify_before_the_workflow_ran_exits_2_naming_the_stage(
     from mixquant.cli import main
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(REPO / "data")  # the shipped toy and the corpus, as a workdir has them
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(explicit_raw))
     assert main(["verify", "--configfile", "config.yaml"]) == 2
     err = capsys.readouterr().err.strip()

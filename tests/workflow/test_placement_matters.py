@@ -17,10 +17,11 @@ def _one(root: Path, pattern: str) -> Path:
 
 
 def test_searched_beats_uniform_nvfp4_by_ten_percent_on_the_lower_bound(built_workdir):
-    results = built_workdir.root / "results"
+    wd = built_workdir
+    paths = wd.paths()  # the default config's gates (other tests run stricter ones in this workdir)
     seen = set()
-    for path in results.glob("gate_kld/*/aggregate.json"):
-        document = json.loads(path.read_text())
+    for name in ("gate/searched/bfloat16", "gate/searched/fp8"):
+        document = json.loads((wd.root / paths[name]["path"] / "aggregate.json").read_text())
         if document["candidate"] != "searched":
             continue
         seen.add(document["kv_cache_dtype"])
@@ -33,12 +34,11 @@ def test_searched_beats_uniform_nvfp4_by_ten_percent_on_the_lower_bound(built_wo
 
 
 def test_bf16_self_check_has_its_own_gates(built_workdir):
-    results = built_workdir.root / "results"
+    wd = built_workdir
+    paths = wd.paths()
     by_kv = {}
-    for path in results.glob("gate_kld/*/aggregate.json"):
-        document = json.loads(path.read_text())
-        if document["source"] == "bf16":
-            by_kv[document["kv_cache_dtype"]] = document
+    for kv in ("bfloat16", "fp8"):
+        by_kv[kv] = json.loads((wd.root / paths[f"gate/bf16/{kv}"]["path"] / "aggregate.json").read_text())
     exact = {c["name"]: c["passed"] for c in by_kv["bfloat16"]["verdict"]["checks"]}
     assert exact["require_exact_zero"] and by_kv["bfloat16"]["aggregate"]["mean_kld"] == 0
     fp8_checks = {c["name"] for c in by_kv["fp8"]["verdict"]["checks"]}

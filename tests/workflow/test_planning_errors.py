@@ -63,7 +63,7 @@ def test_a_failed_stage_is_failed_in_paths_and_the_run_says_where_to_look(workdi
     assert model["state"] == "todo"
     result = workdir.snakemake(model["path"], "--configfile", name, check=False)
     assert result.returncode != 0
-    assert "mixquant: the run stopped: `mixquant paths` shows which stages failed, and their logs" in (
+    assert "mixquant run stopped: `mixquant paths` shows which stages failed, and their logs" in (
         result.stderr
     )
     row = workdir.paths(name)["model"]

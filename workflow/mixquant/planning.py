@@ -233,14 +233,14 @@ def artifact_state(art: Artifact, results_dir: str | Path) -> str:
 def run_end_lines(artifacts: dict[str, Artifact], succeeded: bool = True) -> list[str]:
     """What a finished run prints: where the release and the checkpoint are (those that are built)."""
     lines = [
-        f"mixquant: {label}: {artifacts[name].path}"
+        f"mixquant run {label}: {artifacts[name].path}"
         for name, label in (("release", "release"), ("checkpoint", "checkpoint"))
         if name in artifacts and artifacts[name].done
     ]
     if not succeeded:
-        lines.append("mixquant: the run stopped: `mixquant paths` shows which stages failed, and their logs")
+        lines.append("mixquant run stopped: `mixquant paths` shows which stages failed, and their logs")
     elif not lines:
-        lines.append("mixquant: done; no checkpoint or release built yet: `mixquant paths` shows what is")
+        lines.append("mixquant run done; no checkpoint or release built yet: `mixquant paths` shows what is")
     return lines
 
 
