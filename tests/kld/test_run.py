@@ -61,6 +61,8 @@ def inputs(tmp_path_factory, small_laguna_config):
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     model_dir = root / "model"
+    model_dir.mkdir()
+    (root / "prompt").mkdir()
     layout.save_upstream_checkpoint(model, model_dir, num_shards=1)
     ids = torch.randint(4, 128, (24,), generator=torch.Generator().manual_seed(1))
     save_token_ids(root / "prompt" / "prompt.safetensors", ids, {})
