@@ -23,8 +23,9 @@ SLURM_TOOLS = REPO / "tools" / "slurm-local"
 
 
 def slice_targets(wd) -> dict[str, str]:
-    """One job of every kind of rule before the placement's solve, GPU-requesting ones included:
-    the toy model, calibration, prompt, activation statistics, the FP8 layer window, that chunk's score job, the BF16 reference logits and one KLD run of the BF16 candidate."""
+    """One job of every kind of rule before the placement's solve, GPU-requesting ones included: the toy
+    model, calibration, prompt, activation statistics, the FP8 layer window, the first FP8 score job, the
+    BF16 reference logits and the BF16 candidate's KLD job (BF16 KV)."""
     paths = wd.paths()
     scores = sorted(name for name in paths if name.startswith("scores/fp8/"))[0]
     first, last = map(int, scores.rsplit("/", 1)[1].split("-"))
