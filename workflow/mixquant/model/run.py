@@ -14,25 +14,29 @@ log = logging.getLogger(__name__)
 def run_build_toy_model(out_dir: str | Path, *, settings: dict[str, Any], preimage: dict[str, Any]) -> Path:
     """Train the embedded toy Laguna on the pinned corpus and publish it in the upstream layout."""
     from mixquant.calibration.run import load_dataset_conversations
-    from mixquant.model.toy import build_toy_model
 
-    toy = settings["toy"]
     (corpus,) = load_dataset_conversations(settings["corpus"])
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        report = build_toy_model(
-            tmp,
-            conversations=corpus,
-            arch=toy["arch"],
-            tokenizer_spec=toy["tokenizer"],
-            training=toy["training"],
-            seed=toy["seed"],
-            outliers=toy["outliers"],
-            threads=toy["threads"],
-            num_shards=toy["num_shards"],
-        )
-        summary.update(report)
+        summary.update(_build(tmp, settings["toy"], corpus))
     return Path(out_dir)
+
+
+def _build(out_dir: Path, toy: dict[str, Any], conversations: list) -> dict[str, Any]:
+    """build_toy_model with the `model.toy` settings (training, then the outlier layers)."""
+    from mixquant.model.toy import build_toy_model
+
+    return build_toy_model(
+        out_dir,
+        conversations=conversations,
+        arch=toy["arch"],
+        tokenizer_spec=toy["tokenizer"],
+        training=toy["training"],
+        seed=toy["seed"],
+        outliers=toy["outliers"],
+        threads=toy["threads"],
+        num_shards=toy["num_shards"],
+    )
 
 
 def build_embedded_toy(out_dir: str | Path, *, toy: dict[str, Any], corpus: dict[str, Any]) -> str:
@@ -47,7 +51,6 @@ def build_embedded_toy(out_dir: str | Path, *, toy: dict[str, Any], corpus: dict
 
     from mixquant.calibration.run import load_dataset_conversations
     from mixquant.model.fetch import identity_sha256, local_dir_identity
-    from mixquant.model.toy import build_toy_model
 
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -57,17 +60,7 @@ def build_embedded_toy(out_dir: str | Path, *, toy: dict[str, Any], corpus: dict
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        report = build_toy_model(
-            tmp,
-            conversations=conversations,
-            arch=toy["arch"],
-            tokenizer_spec=toy["tokenizer"],
-            training=toy["training"],
-            seed=toy["seed"],
-            outliers=toy["outliers"],
-            threads=toy["threads"],
-            num_shards=toy["num_shards"],
-        )
+        report = _build(tmp, toy, conversations)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
