@@ -49,7 +49,7 @@ if pid_alive "$STATE/slurmctld.pid" slurmctld || pid_alive "$STATE/slurmd.pid" s
 fi
 
 NODE=$(hostname -s)
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS, which the numerics profile pins
 MEM_KB=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
 REALMEM=$(( MEM_KB * 9 / 10 / 1024 ))
 

@@ -16,7 +16,7 @@ rule reference_logits:
         key="[0-9a-f]{64}",
     conda:
         engine_env
-    threads: 2
+    threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
         runtime=keyed_runtime,

@@ -15,7 +15,7 @@ rule collect_activation_stats:
         stage_benchmark("activations")
     conda:
         "../../envs/quant.yaml"
-    threads: 2
+    threads: CFG.numerics.threads
     resources:
         mem_mb=artifact_request("activations", "mem_mb"),
         runtime=artifact_request("activations", "runtime"),

@@ -15,7 +15,7 @@ rule score_sensitivity:
         key="[0-9a-f]{64}",
     conda:
         "../../envs/quant.yaml"
-    threads: 2
+    threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
         runtime=keyed_runtime,
