@@ -78,3 +78,13 @@ def test_directory_name_must_be_the_key_of_the_preimage(tmp_path):
 def test_keys_are_validated_before_becoming_paths(bad):
     with pytest.raises(ValueError, match="64 lowercase hex"):
         keyed_path("results", "demo", bad)
+
+
+def test_run_facts_stay_out_of_the_manifest_at_any_depth(tmp_path, caplog):
+    """Timings and rates describe one run: logged, never written (two machines write the same bytes)."""
+    final = tmp_path / "demo" / KEY
+    summary = {"seconds": 1.5, "export": {"tensors": 3, "seconds": 2.5, "write_rate_bytes_per_s": 9.0}}
+    with caplog.at_level("INFO"), publish_keyed_dir(final, PREIMAGE, summary) as tmp:
+        (tmp / "a.bin").write_bytes(b"\x00")
+    assert read_manifest(final)["summary"] == {"export": {"tensors": 3}}
+    assert '"export.seconds": 2.5' in caplog.text and '"seconds": 1.5' in caplog.text

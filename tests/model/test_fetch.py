@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from mixquant.model import fetch
@@ -64,9 +66,27 @@ def test_fetch_local_model_records_source(model_dir, tmp_path):
     source = fetch.fetch_local_model(model_dir, out)
     on_disk = json.loads((out / fetch.SOURCE_FILE).read_text())
     assert on_disk == source
-    assert source["kind"] == "local" and source["path"] == str(model_dir.resolve())
+    assert source["kind"] == "local" and source["path"] == str(model_dir)  # outside the workdir: absolute
     assert source["files"] == fetch.local_dir_identity(model_dir)
-    assert fetch.resolve_model_dir(out) == model_dir.resolve()
+    assert fetch.resolve_model_dir(out) == model_dir
+
+
+def test_a_local_model_inside_the_workdir_is_recorded_as_the_workdir_names_it(
+    model_dir, tmp_path, monkeypatch
+):
+    """Two clones record the same bytes: the path is relative to the working directory."""
+    records = []
+    for clone in ("a", "b"):
+        root = tmp_path / clone
+        (root / "data").mkdir(parents=True)
+        shutil.copytree(model_dir, root / "data" / "model")
+        monkeypatch.chdir(root)
+        for given in ("data/model", "./data/../data/model", root / "data" / "model"):
+            source = fetch.fetch_local_model(given, root / "out")
+            assert source["path"] == "data/model"
+            assert fetch.resolve_model_dir(root / "out") == Path("data/model")
+        records.append((root / "out" / fetch.SOURCE_FILE).read_bytes())
+    assert records[0] == records[1]
 
 
 def test_fetch_local_requires_config(tmp_path):
@@ -95,3 +115,21 @@ def test_hub_refuses_unpinned_revision(tmp_path, revision):
 
 def test_pinned_revision_accepted():
     assert fetch.require_pinned_revision("0123456789abcdef0123456789abcdef01234567")
+
+
+def test_a_hub_download_resolves_after_its_directory_is_renamed_into_place(model_dir, tmp_path, monkeypatch):
+    """The record names the download relative to the artifact: the keyed directory is written under a
+    temporary name and renamed, so an absolute path would point at the temporary one."""
+    import huggingface_hub
+
+    def fake_download(repo, revision, local_dir):
+        shutil.copytree(model_dir, local_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    tmp = tmp_path / ".tmp-artifact"
+    source = fetch.fetch_hub_model("org/name", "0123456789abcdef0123456789abcdef01234567", tmp)
+    assert source["path"] == "model"
+    final = tmp_path / "artifact"
+    tmp.rename(final)
+    assert fetch.resolve_model_dir(final) == final / "model"
+    assert (fetch.resolve_model_dir(final) / "config.json").read_text() == '{"model_type": "laguna"}'

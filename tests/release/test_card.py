@@ -196,25 +196,14 @@ def test_front_matter_must_be_there():
         parse_front_matter("---\nlicense: other\n")
 
 
-DECISIVE = {
-    "device": "cpu",
-    "profile": "portable",
-    "threads": 1,
-    "cpu_capability": "AVX2",
-    "mkl_cbwr": "COMPATIBLE",
-    "mkldnn": False,
-    "libraries": {"torch": "2.13.0+cpu", "mkl": "2024.2"},
-    "python": "3.11.7",
-}
-
-
-def test_provenance_names_the_numerics_fingerprint_and_the_hash_kinds():
-    inputs = dataclasses.replace(_inputs(), numerics=DECISIVE)
+def test_provenance_names_the_numerics_fingerprint_and_the_hash_kinds(decisive):
+    inputs = dataclasses.replace(_inputs(), numerics=decisive)
     card = model_card(inputs)
     assert (
         "- Numerics fingerprint of the BF16 reference logits (`numerics.json`, shipped with them in "
         "`reference/`): device cpu, profile portable, threads 1, ATen CPU capability AVX2, MKL CBWR "
-        "COMPATIBLE, oneDNN (mkldnn) off; mkl 2024.2, torch 2.13.0+cpu; Python 3.11.7."
+        "COMPATIBLE, oneDNN (mkldnn) off; mkl 2024.2, onednn 3.12.0, torch 2.13.0+cpu, transformers 5.24.0; "
+        "Python 3.11.7."
     ) in card
     assert "| what | kind | SHA-256 | file | encoding |" in card
     assert f"| BF16 reference logits | numerical | `{'2' * 64}`" in card
@@ -223,13 +212,13 @@ def test_provenance_names_the_numerics_fingerprint_and_the_hash_kinds():
     assert "Numerics fingerprint" not in model_card(_inputs())  # none recorded, none named
 
 
-def test_a_published_fingerprint_is_compared_and_is_no_hash():
-    inputs = dataclasses.replace(_inputs(), numerics=DECISIVE)
-    recipe = dict(inputs.recipe, published={"quant_config": "3" * 64, "numerics": DECISIVE})
+def test_a_published_fingerprint_is_compared_and_is_no_hash(decisive):
+    inputs = dataclasses.replace(_inputs(), numerics=decisive)
+    recipe = dict(inputs.recipe, published={"quant_config": "3" * 64, "numerics": decisive})
     card = model_card(dataclasses.replace(inputs, recipe=recipe))
     assert "Published hashes: 1 of 1 pinned in the recipe match this release." in card
     assert "- Published numerics fingerprint (`published.numerics`): equal to this release's." in card
-    other = {**DECISIVE, "cpu_capability": "AVX512"}
+    other = {**decisive, "cpu_capability": "AVX512"}
     recipe = dict(inputs.recipe, published={"numerics": other})
     card = model_card(dataclasses.replace(inputs, recipe=recipe))
     assert "No published hashes are pinned" in card

@@ -71,7 +71,7 @@ def workdir(tmp_path) -> Workdir:
 
 @pytest.fixture(scope="session")
 def built_workdir(tmp_path_factory) -> Workdir:
-    """The default DAG run once, end to end (trains the toy model: a few minutes).
+    """The default DAG run once, end to end on the shipped toy (about 3 minutes on 2 cores).
 
     MIXQUANT_TEST_RESULTS=<results dir of an earlier default run> seeds it (development only: the run
     still happens, and reruns every stage whose key changed since)."""

@@ -4,16 +4,10 @@ and every one of 8 random placements with the same effective bits, measured on t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
-
-
-def _one(root: Path, pattern: str) -> Path:
-    (match,) = sorted(root.glob(pattern))
-    return match
 
 
 def test_searched_beats_uniform_nvfp4_by_ten_percent_on_the_lower_bound(built_workdir):
@@ -57,19 +51,19 @@ def test_searched_placement_beats_eight_random_placements_with_the_same_bits(bui
     from safetensors.torch import load_file
 
     root = built_workdir.root
-    results = root / "results"
+    paths = built_workdir.paths()  # the default run's results (other tests add their own to this workdir)
     quants = {}
-    for window in results.glob("quantize_layer/*"):
+    for window in (root / row["path"] for name, row in paths.items() if name.startswith("layers/")):
         fmt = read_manifest(window)["preimage"]["config"]["format"]
         for directory in window.glob("layer_*"):
             layer = int(directory.name.split("_")[1])
             if fmt != "bf16":
                 tensors = load_file(str(directory / "layer.safetensors"))
                 quants[(layer, fmt)] = layer_quant_from_tensors(tensors, layer, fmt)
-    placement_file = _one(results, "solve_placement/*/placement.json")
+    placement_file = root / paths["placement"]["path"] / "placement.json"
     placement = {int(k): v for k, v in json.loads(placement_file.read_text())["layers"].items()}
     assert len(set(placement.values())) > 1  # a mixed placement: permutations exist
-    ids = load_token_ids(_one(results, "pin_prompt/*/prompt.safetensors")).reshape(-1).long()
+    ids = load_token_ids(root / paths["prompt"]["path"] / "prompt.safetensors").reshape(-1).long()
     model = load_search_model(root / "data" / "toy-laguna")
     outcome = compare_with_random(model, ids, quants, placement, count=8, seed=0)
     assert len(outcome["random"]) == 8

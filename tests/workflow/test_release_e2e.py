@@ -12,6 +12,7 @@ import pytest
 from mixquant.cli import parse_dry_run
 from mixquant.keys.hashing import file_sha256
 from mixquant.keys.manifest import read_manifest, verify_manifest
+from mixquant.release.bundle import shipped_reference_document
 from mixquant.release.card import parse_front_matter
 from mixquant.release.hashes import release_hashes
 
@@ -38,7 +39,17 @@ def test_release_bundle(built_workdir):
     gates = [
         f"kld/{c}.{kv}.json" for c in ("bf16", "searched", "uniform-nvfp4") for kv in ("bfloat16", "fp8")
     ]
-    assert extra == sorted(["README.md", RECIPE, "placement_audit.json", *gates])
+    reference = ["reference/logits.safetensors", "reference/reference.json"]
+    assert extra == sorted(["README.md", RECIPE, "placement_audit.json", "numerics.json", *reference, *gates])
+    # the reference logits ship byte for byte, their record without the (informative) host, and the
+    # numerics fingerprint they were made under
+    made = _dir(wd, paths, "reference_logits")
+    assert (release / reference[0]).read_bytes() == (made / "logits.safetensors").read_bytes()
+    shipped = json.loads((release / reference[1]).read_text())
+    assert shipped == shipped_reference_document(json.loads((made / "reference.json").read_text()))
+    assert "host" not in json.dumps(shipped)
+    fingerprint = json.loads((release / "numerics.json").read_text())
+    assert fingerprint == wd.config()["published"]["numerics"]
     placement_audit = _dir(wd, paths, "placement") / "placement_audit.json"
     assert (release / "placement_audit.json").read_bytes() == placement_audit.read_bytes()
     for name in gates:
@@ -81,7 +92,8 @@ def test_replay_from_the_recipe_alone(built_workdir, workdir):
     assert {"checkpoint", "reference_logits", "kld_verdict", "verify"} <= set(same)
 
     by_key = {row["key"]: row["path"] for row in paths.values()}
-    for key in read_manifest(checkpoint)["preimage"]["upstream"].values():
+    # one quantize window holds several layers: its key is upstream of the checkpoint once per layer
+    for key in sorted(set(read_manifest(checkpoint)["preimage"]["upstream"].values())):
         shutil.copytree(wd.root / by_key[key], rebuild.root / by_key[key], symlinks=True)
     target = paths["checkpoint"]["path"]
     plan = parse_dry_run(rebuild.snakemake("-n", target, "--configfile", RECIPE).stdout)

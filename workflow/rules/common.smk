@@ -63,7 +63,11 @@ onerror:
         print(line, file=sys.stderr)
 
 
-ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+try:
+    # root inputs are read here (local model content, its pin): a mismatch is one line too
+    ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+except (ValueError, OSError) as error:
+    sys.exit(f"mixquant: {CONFIG_SOURCE}: {error}")
 _PLACED = {}
 
 

@@ -79,10 +79,19 @@ def environment_record() -> dict[str, Any]:
 
 
 def split_run_facts(summary: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(content facts, run facts) of a stage summary (see RUN_FACTS)."""
-    summary = dict(summary or {})
-    facts = {name: summary.pop(name) for name in sorted(set(summary) & RUN_FACTS)}
-    return summary, facts
+    """(content facts, run facts) of a stage summary (see RUN_FACTS), at any depth: a nested run fact
+    is returned under its dotted path ("export.seconds")."""
+    content: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
+    for name, value in (summary or {}).items():
+        if name in RUN_FACTS:
+            facts[name] = value
+        elif isinstance(value, dict):
+            content[name], inner = split_run_facts(value)
+            facts.update({f"{name}.{where}": fact for where, fact in inner.items()})
+        else:
+            content[name] = value
+    return content, dict(sorted(facts.items()))
 
 
 def write_manifest(directory: Path, preimage: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:

@@ -47,6 +47,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from mixquant.model.fetch import workdir_path
+
 __all__ = [
     "ENGINES",
     "KV_CACHE_DTYPES",
@@ -227,7 +229,7 @@ def describe_checkpoint(model_dir: str | Path, who: str = "engine") -> dict[str,
         name for name in names if name.endswith(_QUANT_SUFFIXES) and not _ROUTED_RE.match(name)
     )
     return {
-        "directory": str(model_dir),
+        "directory": workdir_path(model_dir),  # the same record from every clone
         "kind": kind,
         "quant_method": quant_method or ("modelopt" if kind == "modelopt" else None),
         "quant_algo": quantization.get("quant_algo", (qc or {}).get("quant_algo")),

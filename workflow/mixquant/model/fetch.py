@@ -3,8 +3,12 @@
 A model artifact directory is either a checkpoint itself (the toy build writes config.json straight into
 it) or holds `model_source.json` describing where the checkpoint lives:
 
-    {"kind": "local", "path": "/abs/dir", "files": {"config.json": {"sha256": ..., "size": ...}, ...}}
-    {"kind": "hub", "repo": "org/name", "revision": "<40 hex>", "path": "<artifact>/model", "files": {...}}
+    {"kind": "local", "path": "data/toy-laguna", "files": {"config.json": {"sha256": ..., "size": ...}, ...}}
+    {"kind": "hub", "repo": "org/name", "revision": "<40 hex>", "path": "model", "files": {...}}
+
+A local path is recorded as the workdir names it (relative to the working directory, absolute only where
+the directory lies outside it), a hub path relative to the artifact directory: the record's bytes do not
+depend on where the workdir is, so two clones write the same directory.
 
 `local_dir_identity` hashes every regular file of a directory for planning-time content keys; with a
 cache directory it remembers digests keyed by (absolute path, size, mtime_ns) so multi-GB shards are not
@@ -115,7 +119,18 @@ def fetch_local_model(
     if not (src / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{src} has no {CONFIG_FILE}; not a Hugging Face model directory")
     files = local_dir_identity(src, cache_dir=cache_dir)
-    return _write_source(Path(out_dir), {"kind": "local", "path": str(src), "files": files})
+    return _write_source(Path(out_dir), {"kind": "local", "path": workdir_path(src_dir), "files": files})
+
+
+def workdir_path(path: str | Path) -> str:
+    """``path`` as a record names it: relative to the working directory where it lies inside it (as
+    given, normalised, symlinks kept), else absolute."""
+    given = Path(path)
+    if not given.is_absolute():
+        return Path(os.path.normpath(given)).as_posix()
+    here = Path(os.path.abspath("."))
+    normal = Path(os.path.normpath(given))
+    return normal.relative_to(here).as_posix() if normal.is_relative_to(here) else normal.as_posix()
 
 
 def require_pinned_revision(revision: object) -> str:
@@ -137,7 +152,8 @@ def fetch_hub_model(repo: str, revision: str, out_dir: str | Path) -> dict:
     local = out_dir / "model"
     snapshot_download(repo, revision=revision, local_dir=str(local))
     files = local_dir_identity(local)
-    source = {"kind": "hub", "repo": repo, "revision": revision, "path": str(local.resolve()), "files": files}
+    # relative to the artifact directory: out_dir is renamed into place after this returns
+    source = {"kind": "hub", "repo": repo, "revision": revision, "path": local.name, "files": files}
     return _write_source(out_dir, source)
 
 
@@ -155,7 +171,8 @@ def resolve_model_dir(artifact_dir: str | Path) -> Path:
     source = json.loads(source_path.read_text(encoding="utf-8"))
     model_dir = Path(source["path"])
     if not model_dir.is_absolute():
-        model_dir = (artifact_dir / model_dir).resolve()
+        # a local directory as the workdir names it; a hub download inside the artifact directory
+        model_dir = model_dir if source.get("kind") == "local" else artifact_dir / model_dir
     if not (model_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{SOURCE_FILE} points at {model_dir}, which has no {CONFIG_FILE}")
     return model_dir
