@@ -67,9 +67,11 @@ def laguna():
 
 def test_engine_gpus_follow_the_engine(laguna):
     assert engine_gpus(laguna, "run_kld") == 4 and engine_gpus(laguna, "reference_logits") == 4
-    assert engine_gpus(laguna, "quantize_layer") == 0
+    assert engine_gpus(laguna, "quantize_layer") == 1  # numerics.device: cuda
+    assert engine_gpus(laguna, "export_checkpoint") == 0
     toy = load_config_file(str(REPO / "config" / "config.yaml"))
     assert engine_gpus(toy, "run_kld") == 0  # hf engine on the host
+    assert engine_gpus(toy, "score_sensitivity") == 0
 
 
 def test_job_request_doubles_per_attempt_and_falls_back_without_geometry(laguna):

@@ -100,7 +100,7 @@ def test_profile_enters_the_keys_of_computing_stages_only():
         config = art.preimage["config"]
         assert ("numerics" in config) == computes_on_cpu(art.stage), name
         if computes_on_cpu(art.stage):
-            assert config["numerics"] == key_identity("portable", 1)
-            assert art.settings["numerics"] == {"profile": "portable", "threads": 1}
+            assert config["numerics"] == {"device": "cpu", **key_identity("portable", 1)}
+            assert art.settings["numerics"] == {"profile": "portable", "threads": 1, "device": "cpu"}
             assert portable[name] != native[name] and portable[name] != threads[name], name
     assert portable == _keys()  # the default is portable, one thread

@@ -154,35 +154,41 @@ def test_preimage_names_code_and_packages(raw):
 # ------------------------------------------------------------------------------------------ search
 
 
+SEARCH_KEYS = ("method", "calibration", "pins", "batch_size", "macro_batch", "stack_branches")
+
+
 def edited_placement(raw_config, **values):
     out = copy.deepcopy(raw_config)
     for key, value in values.items():
-        if key in ("method", "calibration", "pins", "layers_per_job", "batch_size"):
+        if key in SEARCH_KEYS:
             out["placement"]["search"][key] = value
         else:
             out["placement"][key] = value
     return out
 
 
+BOTH = ["nvfp4_w4a16", "fp8"]
+
+
 def test_search_graph_ends_at_the_placement_until_it_is_solved(raw_search):
     art = resolve_artifacts(validate_config(raw_search))
     scores = sorted(name for name, a in art.items() if a.stage == "score_sensitivity")
-    # 8 MoE layers in chunks of 4, per scored format (bf16 is the reference: score 0, no job)
-    assert scores == ["scores/fp8/1-4", "scores/fp8/5-8", "scores/nvfp4_w4a16/1-4", "scores/nvfp4_w4a16/5-8"]
+    # 64 calibration sequences in macro-batches of 32: one streamed pass each, every (layer, format)
+    assert scores == ["scores/0-31", "scores/32-63"]
     layers = sorted(name for name, a in art.items() if a.stage == "quantize_layer")
     assert layers == ["layers/fp8/1-8", "layers/nvfp4_w4a16/1-8"]  # one window per scored format
     assert "checkpoint" not in art
     placement = art["placement"]
     assert placement.stage == "solve_placement"
-    assert set(placement.upstream) == {"model"} | {
-        f"scores_{fmt}_{i}" for fmt in ("fp8", "nvfp4_w4a16") for i in (1, 5)
-    }
-    # a score job reads exactly its own layers' results in its format (from the window holding them)
-    assert art["scores/fp8/5-8"].upstream == {
+    assert set(placement.upstream) == {"model", "scores_0", "scores_32"}
+    # a pass reads every scored layer x format result (from the windows holding them)
+    assert art["scores/32-63"].upstream == {
         "model": "model",
         "calibration": "calibration",
-        **{f"layer_{layer}": "layers/fp8/1-8" for layer in range(5, 9)},
+        **{f"{fmt}_layer_{layer}": f"layers/{fmt}/1-8" for fmt in BOTH for layer in range(1, 9)},
     }
+    assert art["scores/32-63"].settings["sequences"] == [32, 64]
+    assert art["scores/32-63"].settings["scored"] == {str(layer): BOTH for layer in range(1, 9)}
 
 
 def test_search_scores_the_weights_the_rebuild_ships(raw_search, raw):
@@ -194,16 +200,15 @@ def test_search_scores_the_weights_the_rebuild_ships(raw_search, raw):
 
 def test_max_calibration_scores_modelopt_fake_quant_of_the_bf16_weights(raw_search):
     art = resolve_artifacts(validate_config(edited_placement(raw_search, calibration="max")))
-    assert art["scores/fp8/5-8"].upstream == {
+    assert art["scores/32-63"].upstream == {
         "model": "model",
         "calibration": "calibration",
         "activations": "activations",
     }
-    assert art["scores/nvfp4_w4a16/1-4"].upstream == {"model": "model", "calibration": "calibration"}
-    assert art["scores/fp8/5-8"].settings["weights"] == "max"
+    assert art["scores/32-63"].settings["weights"] == "max"
     scores = [a for a in art.values() if a.stage == "score_sensitivity"]
-    assert not any(role.startswith("layer_") for a in scores for role in a.upstream)  # nothing rebuilt
-    assert art["scores/fp8/5-8"].key != resolve_artifacts(validate_config(raw_search))["scores/fp8/5-8"].key
+    assert not any("_layer_" in role for a in scores for role in a.upstream)  # no rebuilt layer read
+    assert art["scores/32-63"].key != resolve_artifacts(validate_config(raw_search))["scores/32-63"].key
 
 
 def test_budget_or_solver_change_moves_only_the_placement(raw_search):
@@ -212,13 +217,27 @@ def test_budget_or_solver_change_moves_only_the_placement(raw_search):
         assert moved(base, keys(edited_placement(raw_search, **change))) == ["placement"], change
 
 
-def test_adding_a_format_adds_only_its_scoring(raw_search):
+def test_scoring_knobs_move_the_score_jobs_and_the_solve_only(raw_search):
+    base = keys(raw_search)
+    for change in ({"stack_branches": True}, {"batch_size": 4}):
+        assert moved(base, keys(edited_placement(raw_search, **change))) == [
+            "placement",
+            "scores/0-31",
+            "scores/32-63",
+        ], change
+    single = keys(edited_placement(raw_search, macro_batch=64))
+    assert sorted(set(single) - set(base)) == ["scores/0-63"]  # one pass over every sequence
+    assert moved(base, single) == ["placement", "scores/0-31", "scores/32-63"]  # gone: the two passes
+    assert moved({k: v for k, v in base.items() if not k.startswith("scores/")}, single) == ["placement"]
+
+
+def test_adding_a_format_adds_its_window_and_rescores(raw_search):
     without = keys(edited_placement(raw_search, formats=["nvfp4_w4a16", "bf16"]))
     with_fp8 = keys(raw_search)
-    added = sorted(set(with_fp8) - set(without))
-    assert added == ["layers/fp8/1-8", "scores/fp8/1-4", "scores/fp8/5-8"]
+    assert sorted(set(with_fp8) - set(without)) == ["layers/fp8/1-8"]
     assert not set(without) - set(with_fp8)
-    assert moved(without, with_fp8) == ["placement"]  # every nvfp4 score and layer key is unchanged
+    # every pass carries every format's branches: the passes and the solve rerun, nothing else moves
+    assert moved(without, with_fp8) == ["placement", "scores/0-31", "scores/32-63"]
 
 
 def test_pinned_layers_are_scored_only_in_their_format(raw_search):
@@ -226,11 +245,34 @@ def test_pinned_layers_are_scored_only_in_their_format(raw_search):
         raw_search, pins=[{"layers": "8", "format": "bf16"}, {"layers": "1", "format": "fp8"}]
     )
     art = resolve_artifacts(validate_config(pinned))
-    assert art["scores/nvfp4_w4a16/2-4"].settings["layers"] == [2, 3, 4]
-    assert art["scores/nvfp4_w4a16/5-7"].settings["layers"] == [5, 6, 7]
-    assert art["scores/fp8/1-4"].settings["layers"] == [1, 2, 3, 4]
-    assert art["scores/fp8/5-7"].settings["layers"] == [5, 6, 7]
+    scored = art["scores/0-31"].settings["scored"]
+    assert scored == {"1": ["fp8"], **{str(layer): BOTH for layer in range(2, 8)}}  # 8: bf16, no score
+    assert "nvfp4_w4a16_layer_1" not in art["scores/0-31"].upstream
     assert art["placement"].settings["pins"] == {"1": "fp8", "8": "bf16"}
+
+
+def test_macro_batch_must_hold_whole_micro_batches(raw_search):
+    from mixquant.config import ConfigError
+
+    with pytest.raises(ConfigError, match="macro_batch 20 is not a multiple of batch_size 8"):
+        validate_config(edited_placement(raw_search, macro_batch=20))
+
+
+def test_forward_stages_key_their_device(raw):
+    cpu = resolve_artifacts(validate_config(raw))
+    gpu = resolve_artifacts(validate_config(edited(raw, "numerics", device="cuda:1")))
+    assert gpu["activations"].preimage["config"]["numerics"]["device"] == "cuda"
+    assert gpu["activations"].settings["numerics"]["device"] == "cuda:1"
+    assert cpu["activations"].preimage["config"]["numerics"]["device"] == "cpu"
+    on_device = {"activations", "layers/nvfp4_w4a16/1-8", "reference_logits"}
+    for name in on_device:
+        assert cpu[name].key != gpu[name].key, name
+    # the index is where, not how: cuda:0 and cuda:1 share every key but the release's (its recipe says)
+    other = resolve_artifacts(validate_config(edited(raw, "numerics", device="cuda:0")))
+    assert [n for n, a in other.items() if a.key != gpu[n].key] == ["release"]
+    # stages that compute on the CPU whatever the device keep their keys
+    for name in ("calibration", "prompt", "model"):
+        assert cpu[name].key == gpu[name].key, name
 
 
 def test_pins_must_be_candidates_and_moe_layers(raw_search):

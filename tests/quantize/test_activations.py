@@ -253,13 +253,31 @@ def test_routing_counts_and_unrouted_expert(stats, calibration_ids):
 def test_deterministic_and_progress(source, calibration_ids, stats, capfd):
     again = collect_activation_stats(source, calibration_ids, batch_size=BATCH_SIZE, threads=1, progress=True)
     err = capfd.readouterr().err
-    assert "activation stats" in err and "3/3" in err  # tqdm over ceil(5 / 2) batches, on stderr
+    assert "activation stats" in err and "5/5" in err  # tqdm over the 5 streamed layers, on stderr
     assert_same_stats(stats, again)
     meta = again["metadata"]
     assert meta["batch_size"] == "2" and meta["num_sequences"] == "5" and meta["num_tokens"] == "60"
     assert meta["num_batches"] == "3" and json.loads(meta["moe_layers"]) == list(MOE_LAYERS)
     assert meta["experts_implementation"] == "eager" and meta["attn_implementation"] == "sdpa"
     assert meta["threads"] == "1" and torch.get_num_threads() == 1
+
+
+def test_streamed_statistics_equal_the_whole_model_forward(source, calibration_ids, stats):
+    """Layer-major streaming (each layer read once, every batch through it) gives the bits of the
+    whole-model forward batch after batch, and reads each layer exactly once."""
+    from mixquant.checkpoint.shards import ShardReader
+
+    with quiet():
+        whole = collect_activation_stats(
+            source, calibration_ids, batch_size=BATCH_SIZE, progress=False, streamed=False
+        )
+        reader = ShardReader(source)
+        streamed = collect_activation_stats(
+            source, calibration_ids, batch_size=BATCH_SIZE, progress=False, reader=reader
+        )
+    assert_same_stats(whole, streamed)
+    assert_same_stats(stats, streamed)
+    assert dict(reader.reads) == dict.fromkeys(range(NUM_LAYERS), 1)
 
 
 def test_save_load_roundtrip(stats, tmp_path):

@@ -38,17 +38,42 @@ def inputs(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
+    return model, score_jobs(tmp_path, SCORES)
+
+
+def score_jobs(tmp_path, scores, formats=("nvfp4_w4a16", "fp8")):
+    """Two score_sensitivity passes of 1 sequence x 50 tokens each, 2 micro-batches of 25 tokens' worth:
+    their KL sums add up to score x 100 tokens."""
     roles = {}
-    for fmt, layers in SCORES.items():
-        directory = tmp_path / f"scores-{fmt}"
-        directory.mkdir()
+    for first in (0, 1):
+        directory = tmp_path / f"scores-{first}"
+        directory.mkdir(parents=True)
         result = {
-            "format": fmt,
-            "layers": {k: {"kl_per_token": v, "kl_sum": v * 100, "tokens": 100} for k, v in layers.items()},
+            "sequences": [first, first + 1],
+            "sequence_length": 50,
+            "kl_sums": {
+                fmt: {layer: [v * 25, v * 25] for layer, v in scores[fmt].items()} for fmt in formats
+            },
         }
         (directory / "scores.json").write_text(json.dumps(result))
-        roles[f"scores_{fmt}_1"] = directory
-    return model, roles
+        roles[f"scores_{first}"] = directory
+    return roles
+
+
+def test_passes_add_up_in_calibration_order(tmp_path):
+    from mixquant.search.score import scores_table
+
+    values = [0.1, 0.2, 0.3, 1e-17]
+    results = [
+        {"sequences": [2, 4], "sequence_length": 3, "kl_sums": {"fp8": {"1": values[2:]}}},
+        {"sequences": [0, 2], "sequence_length": 3, "kl_sums": {"fp8": {"1": values[:2]}}},
+    ]
+    total = 0.0
+    for value in values:  # left to right from 0.0: the accumulation of one pass over every batch
+        total += value
+    assert scores_table(results) == {1: {"fp8": total / 12}}
+    with pytest.raises(ValueError, match="do not tile the calibration: sequences 2.. missing"):
+        scores_table([results[1], {**results[0], "sequences": [4, 6]}])
 
 
 def solve(tmp_path, inputs, **overrides):
@@ -97,8 +122,8 @@ def test_pins_fix_layers(tmp_path, inputs):
 
 
 def test_missing_score_is_named(tmp_path, inputs):
-    model, roles = inputs
-    roles = {k: v for k, v in roles.items() if "fp8" not in k}
+    model, _ = inputs
+    roles = score_jobs(tmp_path / "nvfp4-only", SCORES, formats=("nvfp4_w4a16",))
     with pytest.raises(PlacementSearchError, match="layer 1: no fp8 score"):
         run_solve_placement(
             tmp_path / canonical_sha256({}), model=model, settings=settings(), preimage={}, **roles

@@ -24,11 +24,10 @@ SLURM_TOOLS = REPO / "tools" / "slurm-local"
 
 def slice_targets(wd) -> dict[str, str]:
     """One job of every kind of rule before the placement's solve, GPU-requesting ones included: the toy
-    model, calibration, prompt, activation statistics, the FP8 layer window, the first FP8 score job, the
-    BF16 reference logits and the BF16 candidate's KLD job (BF16 KV)."""
+    model, calibration, prompt, activation statistics, the layer windows, the first score pass (it reads
+    every window), the BF16 reference logits and the BF16 candidate's KLD job (BF16 KV)."""
     paths = wd.paths()
-    scores = sorted(name for name in paths if name.startswith("scores/fp8/"))[0]
-    first, last = map(int, scores.rsplit("/", 1)[1].split("-"))
+    scores = sorted(name for name in paths if name.startswith("scores/"))[0]
     names = [
         "model",
         "calibration",
@@ -38,7 +37,7 @@ def slice_targets(wd) -> dict[str, str]:
         "reference_logits",
         "kld/bf16/bfloat16",
     ]
-    names += sorted(name for name in paths if name.startswith("layers/fp8/"))
+    names += sorted(name for name in paths if name.startswith("layers/"))
     return {name: paths[name]["path"] for name in names}
 
 

@@ -61,7 +61,11 @@ def test_slurm_blackwell_profile():
     # vLLM tensor parallel 4 on the KLD stages, the GPU resource name the plugin maps to --gpus
     assert resources["reference_logits"]["gpu"] == 4 and resources["run_kld"]["gpu"] == 4
     gpu_rules = {rule for rule, values in resources.items() if "gpu" in values or "gres" in values}
-    assert gpu_rules == {"reference_logits", "run_kld"}
+    # and one GPU for every stage that computes on numerics.device: the streamed forward stages, the rebuild
+    forward = {"collect_activation_stats", "score_sensitivity", "quantize_layer"}
+    assert gpu_rules == {"reference_logits", "run_kld"} | forward
+    assert all(resources[rule]["gpu"] == 1 for rule in forward)
+    assert {resources[rule]["slurm_partition"] for rule in gpu_rules} == {"gpu"}
     assert profile["default-resources"]["slurm_partition"] != resources["run_kld"]["slurm_partition"]
     # memory and runtime are not fixed here: the rules derive them from the geometry
     assert not any({"mem_mb", "runtime"} & set(values) for values in resources.values())

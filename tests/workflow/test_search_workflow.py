@@ -4,7 +4,7 @@
 - the searched placement's measured KL on the prompt beats uniform NVFP4 and random placements with the
   same or more bits;
 - cache behaviour: a new budget reruns only solve_placement and what follows; a new candidate format runs
-  only that format's scoring (and the layer results it scores).
+  its layer results and the score passes, which carry every format.
 """
 
 from __future__ import annotations
@@ -169,31 +169,41 @@ def test_budget_change_reruns_only_the_solve_and_what_follows(built_workdir):
     assert wd.plan() == {}  # the default budget's placement and checkpoint are still there
 
 
-def test_adding_a_candidate_format_runs_only_its_scoring(built_workdir, tmp_path):
-    """A workdir searched over {NVFP4, BF16} gains FP8: only FP8's layer results and scores run."""
+def test_adding_a_candidate_format_adds_its_window_and_rescores(built_workdir, tmp_path):
+    """A workdir searched over {NVFP4, BF16} gains FP8: FP8's layer window runs, and so do the score
+    passes (each carries every format's branches) and the solve; NVFP4's scores are the same floats."""
     wd = built_workdir
     config = wd.config()
     config["placement"]["formats"] = ["nvfp4_w4a16", "bf16"]
     narrow = wd.write_config("config/no-fp8.yaml", config)
     wd.snakemake(wd.paths(narrow)["placement"]["path"], "--configfile", narrow)
-    # Leave results/ as a {NVFP4, BF16}-only history would: no FP8 layer results, scores or placement.
+    narrow_paths = wd.paths(narrow)
+    narrow_scores = {
+        name: json.loads((_dir(wd, narrow_paths, name) / "scores.json").read_text())
+        for name in narrow_paths
+        if name.startswith("scores/")
+    }
+    # Leave results/ as a {NVFP4, BF16}-only history would: no FP8 layer results, passes or placement.
     paths = wd.paths()
-    fp8 = [n for n in paths if n.startswith(("layers/", "scores/")) and "/fp8" in n] + ["placement"]
     parked = tmp_path / "parked"
-    scores = {}
-    for name in fp8:
-        source = _dir(wd, paths, name)
-        if name.startswith("scores/"):
-            scores[name] = json.loads((source / "scores.json").read_text())
-        shutil.move(source, parked / paths[name]["key"])
+    parked.mkdir()
+    for name in [n for n in paths if n.startswith(("layers/fp8", "scores/"))] + ["placement"]:
+        shutil.move(_dir(wd, paths, name), parked / paths[name]["key"])
     assert wd.plan() == {"quantize_layer": 1, "score_sensitivity": 2, "solve_placement": 1}
     ran = _rules_run(wd.snakemake(paths["placement"]["path"]))
     assert ran == {"quantize_layer": 1, "score_sensitivity": 2, "solve_placement": 1}, ran
     after = wd.paths()
-    for name, before in scores.items():  # deterministic: the same scores under the same keys
-        assert after[name]["key"] == paths[name]["key"]
+    for name, before in narrow_scores.items():  # the same passes, now with FP8 branches too
         again = json.loads((_dir(wd, after, name) / "scores.json").read_text())
-        assert again["layers"] == before["layers"]
+        assert again["kl_sums"]["nvfp4_w4a16"] == before["kl_sums"]["nvfp4_w4a16"]
+        assert set(again["kl_sums"]) == {"nvfp4_w4a16", "fp8"}
+    for name in paths:  # deterministic: every rerun output has its old key and its old bytes
+        if name.startswith("scores/") or name == "placement":
+            assert after[name]["key"] == paths[name]["key"]
+            assert (
+                read_manifest(_dir(wd, after, name))["files"]
+                == read_manifest(parked / paths[name]["key"])["files"]
+            )
     assert after["checkpoint"]["key"] == paths["checkpoint"]["key"]  # the same placement again
 
 

@@ -178,34 +178,47 @@ def snakemake_error(stdout: str, stderr: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def _profile_uses_conda(profile: str) -> bool:
+def _profile_settings(profile: str | None) -> dict:
+    """A Snakemake profile's config.yaml as a dict (empty without a profile)."""
     import yaml
 
+    if not profile:
+        return {}
     path = Path(profile)
     if not path.exists() and (Path("profiles") / profile).exists():
         path = Path("profiles") / profile
     path = path / "config.yaml" if path.is_dir() else path
-    data = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    method = (data or {}).get("software-deployment-method") or (data or {}).get("sdm") or []
+    return (yaml.safe_load(path.read_text()) if path.is_file() else {}) or {}
+
+
+def _profile_uses_conda(profile: str) -> bool:
+    data = _profile_settings(profile)
+    method = data.get("software-deployment-method") or data.get("sdm") or []
     return "conda" in ([method] if isinstance(method, str) else method)
 
 
-def plan_estimates(cfg: MixquantConfig, jobs: list) -> list:
-    """Cost-model estimates of the planned jobs and of those that follow the placement's solve."""
-    from mixquant.cluster import after_solve_artifacts, estimate_plan, planning_geometry
+def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) -> tuple[list, dict]:
+    """Cost-model estimates of the planned jobs and of those that follow the placement's solve, and the
+    critical path of all of them with ``slots`` jobs at once (the profile's ``jobs``)."""
+    from mixquant.cluster import after_solve_artifacts, critical_path, estimate_plan, planning_geometry
     from mixquant.keys.artifacts import placement_from_config, resolve_artifacts
 
     geometry = planning_geometry(cfg)
     if geometry is None:
-        return []
+        return [], {}
     cache = Path(".snakemake") / "mixquant-hashes"
     planned = resolve_artifacts(cfg, hash_cache_dir=cache)
-    later = []
+    later, whole = [], planned
     if "checkpoint" not in planned and cfg.placement.explicit is not None:
         # Stand-in for the placement the solve will choose: placement.explicit.
-        stand_in = resolve_artifacts(cfg, hash_cache_dir=cache, placement=placement_from_config(cfg))
-        later = after_solve_artifacts(cfg, planned, stand_in)
-    return estimate_plan(cfg, geometry, jobs, planned, later)
+        whole = resolve_artifacts(cfg, hash_cache_dir=cache, placement=placement_from_config(cfg))
+        later = after_solve_artifacts(cfg, planned, whole)
+    costs: dict = {}
+    estimates = estimate_plan(cfg, geometry, jobs, planned, later, costs=costs)
+    todo = {name: art for name, art in whole.items() if art.key in costs or not art.done}
+    after = [name for name, art in whole.items() if art in later]
+    seconds, chain = critical_path(todo, costs, slots=slots, after=after)
+    return estimates, {"seconds": seconds, "chain": chain, "slots": slots}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -218,7 +231,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     text = dry_run(configfile, args.snakemake_args, args.profile)
     plan = parse_dry_run(text)
     jobs = parse_dry_run_jobs(text)
-    estimates = plan_estimates(cfg, jobs) if plan else []
+    slots = _profile_settings(args.profile).get("jobs")
+    estimates, critical = plan_estimates(cfg, jobs, int(slots) if slots else None) if plan else ([], {})
     if args.json:
         print(
             json.dumps(
@@ -226,6 +240,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "rules": plan,
                     "jobs": [asdict(job) for job in jobs],
                     "estimates": [asdict(row) for row in estimates],
+                    "critical_path": critical,
                 },
                 indent=2,
             )
@@ -254,6 +269,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("Estimates (cost model: README, 'Cluster cost model'; 'after solve' rows assume")
         print("placement.explicit as a stand-in for the placement the search will choose):")
         print(estimate_table(estimates))
+        if critical:
+            slots = f"{critical['slots']} jobs at once" if critical["slots"] else "unlimited parallel jobs"
+            print()
+            print(
+                f"Critical path ({slots}): {critical['seconds'] / 3600:.2f} h through "
+                + " -> ".join(critical["chain"])
+            )
     return 0
 
 

@@ -17,25 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from mixquant.config import MixquantConfig
-from mixquant.costs import Geometry, StageCost, model_geometry, rule_resources, stage_cost
+from mixquant.costs import Geometry, StageCost, job_gpus, model_geometry, rule_resources, stage_cost
 from mixquant.keys.artifacts import Artifact
 
-# Stages that serve the model on an inference engine: with vLLM they get tensor_parallel_size GPUs.
-ENGINE_STAGES = ("reference_logits", "run_kld")
 KEY_IN_PATH = re.compile(r"/([0-9a-f]{64})(?:/|$)")
 
 
 def engine_gpus(cfg: MixquantConfig, stage: str) -> int:
-    """GPUs a job of ``stage`` uses: the vLLM engine's tensor-parallel size for the KLD stages, else 0."""
-    if stage in ENGINE_STAGES and cfg.kld.engine == "vllm":
-        return cfg.kld.tensor_parallel_size
-    return 0
+    """GPUs a job of ``stage`` uses (mixquant.costs.job_gpus): vLLM's tensor-parallel size for the KLD
+    stages, one for a stage computing on a CUDA numerics.device, else 0."""
+    return job_gpus(cfg, stage)
 
 
 def job_shape(art: Artifact) -> dict[str, Any]:
-    """The cost-model arguments of one job: its format and, for a quantize_layer window or a score job,
-    its number of layers."""
+    """The cost-model arguments of one job: a quantize_layer window's format and layer count, a score
+    pass's sequence count."""
     settings = art.settings or {}
+    if art.stage == "score_sensitivity":
+        first, stop = settings["sequences"]
+        return {"sequences": int(stop) - int(first)}
     layers = settings.get("layers")
     return {"fmt": settings.get("format"), "layers": len(layers) if isinstance(layers, list) else 1}
 
@@ -118,11 +118,13 @@ class StageEstimate:
     wall_s_per_job: float = 0.0
     after_solve: bool = False
 
-    def add(self, cost: StageCost) -> None:
+    def add(self, cost: StageCost, cpus_allocated: int | None = None) -> None:
+        """One job; CPU core-hours as allocated: the job's cores (the profile's cpus_per_task, else the
+        threads it computes with) x its wall time."""
         self.jobs += 1
         self.gpus_per_job = max(self.gpus_per_job, cost.gpus)
         self.gpu_hours += cost.gpu_hours
-        self.cpu_hours += cost.cpus * cost.runtime_s / 3600
+        self.cpu_hours += (cpus_allocated or cost.cpus) * cost.runtime_s / 3600
         self.bytes_read += cost.bytes_read
         self.bytes_written += cost.bytes_written
         self.peak_host_bytes = max(self.peak_host_bytes, cost.peak_host_bytes)
@@ -139,17 +141,27 @@ def _gpus_requested(job: PlannedJob | None, cfg: MixquantConfig, stage: str) -> 
     return engine_gpus(cfg, stage)
 
 
+def _cpus_allocated(job: PlannedJob | None) -> int | None:
+    """Cores SLURM allocates a job: the profile's ``cpus_per_task`` (None: not set, the rule's threads)."""
+    value = str((job.resources if job is not None else {}).get("cpus_per_task", ""))
+    return int(value) if value.isdigit() else None
+
+
 def estimate_plan(
     cfg: MixquantConfig,
     geometry: Geometry,
     jobs: Iterable[PlannedJob],
     artifacts: Mapping[str, Artifact],
     after_solve: Iterable[Artifact] = (),
+    costs: dict[str, StageCost] | None = None,
 ) -> list[StageEstimate]:
-    """Per-stage totals of the cost model over the planned jobs (and the jobs that follow the solve)."""
+    """Per-stage totals of the cost model over the planned jobs (and the jobs that follow the solve);
+    ``costs`` (when given) receives each job's :class:`StageCost` by key."""
+    costs = {} if costs is None else costs
     by_key = {art.key: art for art in artifacts.values()}
     rows: dict[tuple[str, bool], StageEstimate] = {}
     gpus_by_stage: dict[str, int] = {}
+    cpus_by_stage: dict[str, int | None] = {}
 
     def add(art: Artifact, job: PlannedJob | None, later: bool) -> None:
         gpus = (
@@ -158,8 +170,11 @@ def estimate_plan(
             else gpus_by_stage.get(art.stage, engine_gpus(cfg, art.stage))
         )
         gpus_by_stage.setdefault(art.stage, gpus)
+        cpus = _cpus_allocated(job) if job else cpus_by_stage.get(art.stage)
+        cpus_by_stage.setdefault(art.stage, cpus)
         cost = stage_cost(cfg, geometry, art.stage, gpus=gpus, **job_shape(art))
-        rows.setdefault((art.stage, later), StageEstimate(art.stage, after_solve=later)).add(cost)
+        rows.setdefault((art.stage, later), StageEstimate(art.stage, after_solve=later)).add(cost, cpus)
+        costs[art.key] = cost
 
     for job in jobs:
         art = by_key.get(job.key or "") or next(
@@ -173,6 +188,60 @@ def estimate_plan(
     for art in [*artifacts.values(), *after_solve]:  # pipeline order, as the paths list it
         order.setdefault(art.stage, len(order))
     return sorted(rows.values(), key=lambda row: (row.after_solve, order.get(row.stage, len(order))))
+
+
+def critical_path(
+    graph: Mapping[str, Artifact],
+    costs: Mapping[str, StageCost],
+    *,
+    slots: int | None = None,
+    after: Iterable[str] = (),
+) -> tuple[float, list[str]]:
+    """(wall seconds, artifact names on the longest chain) of the planned jobs with the cluster's
+    parallelism: jobs start when their inputs are done and a slot is free (``slots``: the profile's
+    ``jobs``, None: unlimited), longest-remaining-path first. Finished artifacts take no time. The
+    ``after`` artifacts exist only once the placement is solved: they wait for it too."""
+    names = {art.key: name for name, art in graph.items()}
+    deps = {
+        name: [graph[up].key for up in art.upstream.values() if up in graph] for name, art in graph.items()
+    }
+    for name in after:
+        if "placement" in graph and name in deps:
+            deps[name].append(graph["placement"].key)
+    seconds = {name: costs[art.key].runtime_s if art.key in costs else 0.0 for name, art in graph.items()}
+    tail: dict[str, float] = {}  # longest path from a job to the end, itself included
+
+    def remaining(name: str) -> float:
+        if name not in tail:
+            after = [n for n, up in deps.items() if graph[name].key in up]
+            tail[name] = seconds[name] + max((remaining(n) for n in after), default=0.0)
+        return tail[name]
+
+    finish: dict[str, float] = {}
+    chain: dict[str, str | None] = {}
+    running: list[float] = []  # finish times of the jobs holding a slot
+    pending = sorted(graph, key=lambda n: -remaining(n))
+    clock = 0.0
+    while pending:
+        ready = [n for n in pending if all(names[k] in finish for k in deps[n])]
+        for name in ready:
+            start = max([finish[names[k]] for k in deps[name]], default=0.0)
+            if seconds[name] and slots is not None:
+                running = sorted(t for t in running if t > start)
+                if len(running) >= slots:
+                    start = max(start, running[len(running) - slots])
+            finish[name] = start + seconds[name]
+            if seconds[name]:
+                running.append(finish[name])
+            chain[name] = max((names[k] for k in deps[name]), key=lambda n: finish[n], default=None)
+            pending.remove(name)
+        clock = max(finish.values(), default=0.0)
+    last = max(finish, key=lambda n: finish[n], default=None)
+    path = []
+    while last is not None:
+        path.append(last)
+        last = chain.get(last)
+    return clock, [name for name in reversed(path) if seconds[name]]
 
 
 def after_solve_artifacts(

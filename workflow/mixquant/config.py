@@ -266,13 +266,42 @@ class SearchSettings(Strict):
     pins: list[PlacementPin] = Field(
         default_factory=list, description="Layers whose format is fixed (e.g. layer 47 stays bf16)."
     )
-    batch_size: int = Field(default=8, ge=1, description="Calibration sequences per scoring forward.")
-    layers_per_job: int = Field(
-        default=8, ge=1, description="MoE layers per score_sensitivity job (the cluster fan-out unit)."
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Calibration sequences per scoring forward (a micro-batch; with stack_branches off the "
+        "scores are bit-identical to a whole-model scorer at this batch size).",
+    )
+    macro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="Calibration sequences per score_sensitivity job: one streamed pass over the weights "
+        "scores every (MoE layer, format) on them, carrying the reference and every diverged branch "
+        "(a multiple of batch_size). null: the largest that fits the device's memory by the cost model "
+        "(mixquant.costs.score_macro_batch).",
+    )
+    stack_branches: bool = Field(
+        default=False,
+        description="Run the live branches of a micro-batch as one stacked batch per layer (fewer, larger "
+        "GEMMs: the GPU setting). false runs each branch alone: exact, bit for bit the per-layer scorer.",
+    )
+    checkpoint_interval_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="A score job saves its hidden states after a layer at most this often (0: every "
+        "layer), so a killed job resumes from its last saved layer with identical scores.",
     )
     frontier_points: int = Field(
         default=25, ge=2, description="Budgets on the bits-to-KL frontier, evenly spaced min..max bits."
     )
+
+    @model_validator(mode="after")
+    def _whole_micro_batches(self) -> SearchSettings:
+        if self.macro_batch is not None and self.macro_batch % self.batch_size:
+            raise ValueError(
+                f"macro_batch {self.macro_batch} is not a multiple of batch_size {self.batch_size}"
+            )
+        return self
 
 
 class PlacementSection(Strict):
@@ -543,6 +572,14 @@ class ReleaseSection(Strict):
 
 
 class NumericsSection(Strict):
+    device: str = Field(
+        default="cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="Where the forward stages (collect_activation_stats, score_sensitivity, the hf engine's "
+        "reference_logits and run_kld) and quantize_layer compute: cpu, cuda or cuda:N. Streamed a decoder "
+        "layer at a time on either. The device type and its numerics enter those stages' keys (the "
+        "rebuild keeps ModelOpt's export numerics on every device).",
+    )
     cpu: Literal["portable", "native"] = Field(
         default="portable",
         description="CPU numerics profile of every process that computes on CPU (mixquant.numerics): "

@@ -20,7 +20,7 @@ from mixquant.export.predict import FORMATS, checkpoint_tensors, predict_structu
 
 __all__ = [
     "B200",
-    "GPU_FORWARD_STAGES",
+    "ENGINE_STAGES",
     "STAGES",
     "Geometry",
     "Hardware",
@@ -52,12 +52,9 @@ STAGES = (
     "verify_hashes",
     "assemble_release",
 )
-# Stages whose code puts the forward on a GPU when the job has one. collect_activation_stats and
-# score_sensitivity load the model with no device argument (quantize/run.py, search/run.py), so they
-# compute on the CPU whatever the job requests; the hf engine uses one GPU (tensor_parallel_size 1).
-GPU_FORWARD_STAGES = frozenset({"reference_logits", "run_kld"})
-# torch threads per job: the rules' `threads:` (workflow/rules/*.smk)
-_STAGE_CPUS = {"collect_activation_stats": 2, "score_sensitivity": 2}
+# Stages that serve a model on an inference engine (vLLM: tensor_parallel_size GPUs of its own). Where
+# the other stages compute is numerics.device (mixquant.keys.artifacts.compute_device).
+ENGINE_STAGES = ("reference_logits", "run_kld")
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -303,12 +300,29 @@ class Hardware:
     sha256_bytes_per_s: float = 1.19e9  # measured: hashlib, one core
     hub_dataset_split_bytes: int = 2 * 10**9  # assumption: one hub dataset split (or local JSONL) as loaded
     python_object_factor: float = 3.0  # assumption: a dataset column as Python lists / dicts vs its bytes
+    # assumption: datasets' JSON/Parquet -> Arrow conversion of a hub split works in record batches
+    arrow_conversion_bytes: int = 2 * GIB
     tokenize_tokens_per_s: float = 2e5  # assumption: apply_chat_template + fast tokenizer, one core
     # measured: the toy's training step on the 2-core dev VM (320 steps in 198 s, 2 threads, idle machine):
     # a tiny model's step is dispatch-bound, so the FLOP estimate alone is ~8x short of it
     toy_step_s: float = 0.62
     ilp_solve_s: float = 1.0  # assumption: one pulp CBC solve of ~50 groups (process spawn dominates)
     plot_s: float = 2.0  # assumption: one matplotlib figure
+    # Layer-streamed forward stages on a GPU (README "Cluster cost model", GPU constants). Not measured
+    # here (no GPU); tools/gpu-check.sh measures each on a lent GPU.
+    # assumption: transformers' eager LagunaExperts runs one GEMM pair per routed expert, so a layer call
+    # is many mid-sized GEMMs; 25% of peak is the middle of SCALE.md's 20-30% for eager prefill
+    gpu_streamed_mfu: float = 0.25
+    # assumption: pinned host->device copies over PCIe Gen5 x16 (~64 GB/s raw, ~50 GB/s in practice per
+    # SCALE.md); half of it, since a layer's tensors arrive as many separate copies
+    host_to_device_bytes_per_s: float = 25e9
+    # assumption: the NVFP4 / FP8 scale sweeps are unfused torch elementwise passes, memory-bound: ~126
+    # E4M3 candidates x ~16 B of traffic per element at ~4 TB/s of HBM is ~2e9 elements/s; half of it
+    gpu_quantize_elements_per_s: float = 1e9
+    # the share of GPU memory a streamed stage plans to use (allocator fragmentation, CUDA context)
+    gpu_memory_headroom: float = 0.85
+    # assumption: host memory a CPU forward job may plan its macro-batch for (a node share, not a whole node)
+    cpu_job_memory_bytes: int = 64 * GIB
 
 
 B200 = Hardware()
@@ -429,6 +443,90 @@ def _batch_activation_bytes(geometry: Geometry, sequences: int, seq_len: int) ->
     return tokens * (8 * geometry.hidden_size + widest) * 2 + sequences * heads * seq_len * seq_len * 4
 
 
+def _max_layer_bytes(geometry: Geometry) -> int:
+    """The largest decoder layer's bytes: what a streamed pass holds (twice, with the read-ahead)."""
+    largest = max(geometry.layer_params(layer) for layer in range(geometry.num_hidden_layers))
+    return largest * geometry.dtype_bytes
+
+
+def _non_layer_bytes(geometry: Geometry) -> int:
+    """Token embedding, final norm and lm_head: what a streamed model keeps on the device throughout."""
+    embeddings = geometry.vocab_size * geometry.hidden_size * (1 if geometry.tie_word_embeddings else 2)
+    return (embeddings + geometry.hidden_size) * geometry.dtype_bytes
+
+
+def _state_bytes(geometry: Geometry, sequences: int, seq_len: int) -> int:
+    """One stream's hidden states for ``sequences`` x ``seq_len`` tokens (bf16)."""
+    return sequences * seq_len * geometry.hidden_size * geometry.dtype_bytes
+
+
+def scored_pairs(cfg: MixquantConfig) -> int:
+    """(MoE layer, format) pairs the search scores: the branches a full pass carries at its last layer."""
+    from mixquant.keys.artifacts import scored_formats
+
+    return sum(len(formats) for formats in scored_formats(cfg).values())
+
+
+# Live branches stacked into one layer call at most (mixquant.search.branches): bounds a call's transient
+# activations, which the macro-batch budget reserves.
+STACK_LIMIT = 16
+
+
+def _score_transient_bytes(cfg: MixquantConfig, geometry: Geometry) -> int:
+    """Transient device memory of one scoring step: a layer call on the stacked branches of one
+    micro-batch (or one branch), and the reference's and a branch's logits / log-probabilities."""
+    search, seq_len = cfg.placement.search, cfg.calibration.seq_len
+    stacked = (STACK_LIMIT if search.stack_branches else 1) * search.batch_size
+    tokens = search.batch_size * seq_len
+    logits = tokens * geometry.vocab_size * (2 * 2 + 4 * 4)  # bf16 x2; log_p, p, log_q, product in fp32
+    return _batch_activation_bytes(geometry, stacked, seq_len) + logits
+
+
+def score_macro_batch(cfg: MixquantConfig, geometry: Geometry, hardware: Hardware | None = None) -> int:
+    """Calibration sequences per score_sensitivity pass (``placement.search.macro_batch: null``).
+
+    The largest multiple of the micro-batch whose hidden states -- the reference and a branch per scored
+    (layer, format) -- fit the device next to two streamed layers, the resident embedding and lm_head, a
+    quantized layer copy and one step's transients (``gpu_memory_headroom`` of the GPU; for CPU,
+    ``cpu_job_memory_bytes``); then evened out so the passes are the same size.
+    """
+    from mixquant.numerics import device_type
+
+    hw = hardware or B200
+    search, calib = cfg.placement.search, cfg.calibration
+    if device_type(cfg.numerics.device) == "cuda":
+        budget = hw.gpu_memory_bytes * hw.gpu_memory_headroom
+    else:
+        budget = hw.cpu_job_memory_bytes - hw.process_base_bytes
+    fixed = (
+        2 * _max_layer_bytes(geometry)
+        + _non_layer_bytes(geometry)
+        + geometry.routed_bytes_per_layer
+        + _score_transient_bytes(cfg, geometry)
+    )
+    per_sequence = (1 + scored_pairs(cfg)) * _state_bytes(geometry, 1, calib.seq_len)
+    size = max(1, int((budget - fixed) // per_sequence) // search.batch_size) * search.batch_size
+    size = min(size, -(-calib.num_samples // search.batch_size) * search.batch_size)
+    passes = -(-calib.num_samples // size)
+    return -(-calib.num_samples // passes // search.batch_size) * search.batch_size
+
+
+def _scored_layers(cfg: MixquantConfig) -> list[tuple[int, list[str]]]:
+    from mixquant.keys.artifacts import scored_formats
+
+    return sorted(scored_formats(cfg).items())
+
+
+def _streamed_seconds(read: float, compute_s: float, geometry: Geometry, hw: Hardware, on_gpu: bool) -> float:
+    """A layer-streamed pass: the first layer is read before anything computes; from then on the next
+    layer's read (and, on a GPU, its host-to-device copy) overlaps the current layer's compute."""
+    first = _max_layer_bytes(geometry)
+    read_rate = hw.storage_read_bytes_per_s
+    # the background thread reads from storage; the copy to the GPU happens with the compute, in turn
+    serial = compute_s + (read / hw.host_to_device_bytes_per_s if on_gpu else 0.0)
+    return first / read_rate + max((read - first) / read_rate, serial)
+
+
 def _fits_note(stage: str, peak_gpu: int, hardware: Hardware) -> tuple[str, ...]:
     if peak_gpu > hardware.gpu_memory_bytes:
         need, have = peak_gpu / GIB, hardware.gpu_memory_bytes / GIB
@@ -444,21 +542,37 @@ def stage_cost(
     gpus: int = 0,
     fmt: str | None = None,
     layers: int = 1,
+    sequences: int | None = None,
     candidate: str | None = None,
     hardware: Hardware = B200,
 ) -> StageCost:
     """Resources of one job of ``stage`` (formulas: README "Cluster cost model").
 
-    ``gpus``: GPUs the job gets (0: a CPU job); ``fmt``: quantize_layer / score_sensitivity format;
-    ``layers``: MoE layers in a quantize_layer window or a score_sensitivity job (for scoring, its first
-    MoE layers: the longest suffixes); ``candidate``: run_kld's candidate name (default: the first). A
-    run_kld job does all ``kld.runs`` runs.
+    ``gpus``: GPUs the job gets (0: a CPU job; a stage computing on a CUDA numerics.device uses one);
+    ``fmt``: quantize_layer format; ``layers``: MoE layers in a quantize_layer window; ``sequences``:
+    calibration sequences of a score_sensitivity pass (default: the planned macro-batch);
+    ``candidate``: run_kld's candidate name (default: the first). A run_kld job does all ``kld.runs``
+    runs.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    from mixquant.keys.artifacts import compute_device
+    from mixquant.keys.stages import computes_on_cpu
+    from mixquant.numerics import device_type
+
     hw = hardware
-    cpus = _STAGE_CPUS.get(stage, cfg.model.toy.threads if stage == "build_toy_model" else 1)
+    if stage == "build_toy_model":
+        cpus = cfg.model.toy.threads
+    else:
+        cpus = cfg.numerics.threads if computes_on_cpu(stage) else 1
     notes: list[str] = []
+    on_gpu = device_type(compute_device(cfg, stage)) == "cuda"
+    if on_gpu and gpus < 1:
+        notes.append(f"{stage}: numerics.device is {cfg.numerics.device} but the job has no GPU")
+    if on_gpu:
+        gpus = max(gpus, 1)
+    # a layer-streamed pass: its reads (streamed_read bytes) overlap its compute (_streamed_seconds)
+    streamed_s, streamed_read = 0.0, 0
     read = written = download = scratch = 0  # scratch: bytes written outside the keyed output
     hashed = 0  # bytes hashed besides the manifest (fetch_model's file identities, logits SHA-256)
     compute_s = 0.0
@@ -466,6 +580,7 @@ def stage_cost(
     gpu_bytes = 0
     startup = hw.process_startup_s
     cpu_flops = hw.cpu_forward_flops_per_core * cpus
+    device_flops = hw.gpu_bf16_flops * hw.gpu_streamed_mfu if on_gpu else cpu_flops
     model_bytes = geometry.bf16_bytes
     prompt_len = cfg.prompt.seq_len
     logits_bytes = (prompt_len - 1) * geometry.vocab_size * 4
@@ -511,18 +626,27 @@ def stage_cost(
             download = data
             scratch = data  # the Arrow cache of the downloaded splits (a temporary directory)
         read = data
-        host += int(data * hw.python_object_factor)  # conversations() materialises every split's column
+        if cfg.dataset.source == "hub":  # memory-mapped Arrow, rows decoded as they are sampled
+            host += hw.arrow_conversion_bytes
+        else:  # the local JSONL is materialised as Python lists and dicts
+            host += int(data * hw.python_object_factor)
         compute_s = tokens / hw.tokenize_tokens_per_s
-    elif stage == "collect_activation_stats":
+    elif stage == "collect_activation_stats":  # one layer-streamed pass, every sequence through each layer
         tokens = calib.num_samples * calib.seq_len
         read = model_bytes + tokens * 4
-        compute_s = geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=0) / cpu_flops
-        host += model_bytes + _batch_activation_bytes(
-            geometry, cfg.quantize.activation_batch_size, calib.seq_len
-        )
+        flops = geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=0)
+        compute_s = flops / device_flops
+        states = _state_bytes(geometry, calib.num_samples, calib.seq_len)
+        transient = _batch_activation_bytes(geometry, cfg.quantize.activation_batch_size, calib.seq_len)
+        streamed_s, streamed_read = _streamed_seconds(read, compute_s, geometry, hw, on_gpu), read
+        compute_s = 0.0
+        held = 2 * _max_layer_bytes(geometry) + _non_layer_bytes(geometry) + states + transient
+        if on_gpu:
+            gpu_bytes = held
+            host += 2 * _max_layer_bytes(geometry)  # pinned read-ahead buffer and the layer being copied
+        else:
+            host += held
         written = _activation_stats_bytes(geometry)
-        if gpus:
-            notes.append("computes on CPU: run_collect_activation_stats passes no device")
     elif stage == "quantize_layer":  # one window of ``layers`` MoE layers, one after the other
         fmt = fmt or "nvfp4_w4a16"
         params = {
@@ -533,41 +657,62 @@ def stage_cost(
         result = _layer_result_bytes(geometry, fmt)
         read = layers * geometry.routed_bytes_per_layer
         written = layers * (result + 3 * geometry.num_experts * _AUDIT_BYTES_PER_TENSOR)
-        compute_s = (
-            layers
-            * geometry.routed_params_per_layer
-            / (hw.cpu_quantize_elements_per_s_per_core[params] * cpus)
-        )
+        elements = layers * geometry.routed_params_per_layer
+        if on_gpu:
+            compute_s = elements / hw.gpu_quantize_elements_per_s + read / hw.host_to_device_bytes_per_s
+            gpu_bytes = 4 * geometry.routed_params_per_expert * 4 + _QUANTIZE_TEMP_BYTES  # one expert, fp32
+        else:
+            compute_s = elements / (hw.cpu_quantize_elements_per_s_per_core[params] * cpus)
         # one layer at a time: the growing result, safetensors' save_file copy of it, per-expert temporaries
         host += 2 * result + _QUANTIZE_TEMP_BYTES
-    elif stage == "score_sensitivity":
-        fmt = fmt or "nvfp4_w4a16"
-        first = geometry.moe_layers[: max(1, layers)]
-        tokens = calib.num_samples * calib.seq_len
+    elif stage == "score_sensitivity":  # one macro-batch: a streamed, branch-parallel pass
+        search = cfg.placement.search
+        size = sequences or score_macro_batch(cfg, geometry, hw)
+        tokens = size * calib.seq_len
+        pairs = scored_pairs(cfg)
         read = model_bytes + tokens * 4
-        held = len(first) * geometry.routed_bytes_per_layer  # dequantized fused [E, 2I, H] + [E, H, I]
-        if cfg.placement.search.calibration == "rebuild":
-            result = _layer_result_bytes(geometry, fmt)
-            read += len(first) * result
-            held += len(first) * result + geometry.routed_bytes_per_layer  # loaded files; one layer's dequant
-        flops = geometry.forward_flops(calib.seq_len, calib.num_samples)
-        for layer in first:  # suffix: the layer's routed experts, the later layers, norm and lm_head
+        if search.calibration == "rebuild":  # each scored layer x format result, once
+            from mixquant.keys.artifacts import scored_formats
+
+            read += sum(
+                _layer_result_bytes(geometry, f) for formats in scored_formats(cfg).values() for f in formats
+            )
+        flops = geometry.forward_flops(calib.seq_len, size)  # the reference
+        for layer, formats in _scored_layers(cfg):
             routed = 2 * geometry.num_experts_per_tok * geometry.routed_params_per_expert * tokens
-            flops += routed + geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=layer + 1)
-        compute_s = flops / cpu_flops
-        batch = cfg.placement.search.batch_size
-        batch_tokens = batch * calib.seq_len
-        # logits bf16 x2, log_p / p / quantized .float() / log_q fp32; recorded layer inputs
-        logits = batch_tokens * geometry.vocab_size * (2 * 2 + 4 * 4)
-        recorded = (
-            batch_tokens * geometry.hidden_size * 2 * (geometry.num_hidden_layers - first[0] + 3 * len(first))
+            suffix = geometry.forward_flops(calib.seq_len, size, first_layer=layer + 1)
+            flops += len(formats) * (routed + suffix)
+        flops += (1 + pairs) * 20 * tokens * geometry.vocab_size  # log-softmax, exp and the KL sums
+        states = (1 + pairs) * _state_bytes(geometry, size, calib.seq_len)
+        # the states saved every checkpoint_interval_s (one stream at a time through the host)
+        compute_s = flops / device_flops
+        streamed_s, streamed_read = _streamed_seconds(read, compute_s, geometry, hw, on_gpu), read
+        compute_s = 0.0
+        if search.checkpoint_interval_s > 0:
+            saves = int(streamed_s // search.checkpoint_interval_s)
+            scratch = saves * states
+            streamed_s += saves * states / hw.storage_write_bytes_per_s
+        held = (
+            2 * _max_layer_bytes(geometry)
+            + _non_layer_bytes(geometry)
+            + geometry.routed_bytes_per_layer  # one format's dequantized copy of a scored layer
+            + states
+            + _score_transient_bytes(cfg, geometry)
         )
-        host += (
-            model_bytes + held + logits + recorded + _batch_activation_bytes(geometry, batch, calib.seq_len)
+        # host: the read-ahead layer, a quantized layer's file and its dequantized copy, one stream's states
+        staging = (
+            2 * _max_layer_bytes(geometry)
+            + geometry.routed_bytes_per_layer
+            + _layer_result_bytes(geometry, "fp8")
+            + _state_bytes(geometry, size, calib.seq_len)
         )
-        written = 400 * len(first) + 1000
-        if gpus:
-            notes.append("computes on CPU: run_score_sensitivity loads the model with no device")
+        if on_gpu:
+            gpu_bytes = held
+            host += staging
+        else:
+            host += held + _layer_result_bytes(geometry, "fp8")
+        written = 400 * pairs * (size // search.batch_size + 1) + 2000
+        notes.append(f"{size} sequences, {pairs} branches")
     elif stage == "solve_placement":
         search = cfg.placement.search
         read = 500 * len(geometry.moe_layers) * len(cfg.placement.formats)
@@ -622,15 +767,16 @@ def stage_cost(
             host += tp * hw.vllm_worker_host_bytes + geometry.lm_head_params * 6  # bf16 + fp32 lm_head
             if checkpoint / tp > gpu_bytes:
                 notes.append(f"weights {checkpoint / tp / GIB:.0f} GiB per GPU exceed vLLM's reservation")
-        else:
-            host += model_bytes + _batch_activation_bytes(geometry, 1, prompt_len)
+        else:  # hf: layer-streamed on numerics.device, a quantized layer dequantized as it is read
             act = _batch_activation_bytes(geometry, 1, prompt_len) + (prompt_len * geometry.vocab_size * 2)
-            if gpus:
-                compute_s += flops / (hw.gpu_bf16_flops * hw.gpu_mfu)  # hf: one device, whatever the job has
-                gpu_bytes = model_bytes + act
-                notes.extend(_fits_note(stage, gpu_bytes, hw))
+            held = 2 * _max_layer_bytes(geometry) + _non_layer_bytes(geometry) + act
+            streamed_s = _streamed_seconds(checkpoint, flops / device_flops, geometry, hw, on_gpu)
+            streamed_read = checkpoint
+            if on_gpu:
+                gpu_bytes = held
+                host += 2 * _max_layer_bytes(geometry)
             else:
-                compute_s += flops / cpu_flops
+                host += held
             host += prompt_len * geometry.vocab_size * 2  # logits [1, T, V] bf16
         if runs > 1:
             per_process = startup if engine == "vllm" else 0.0  # a vllm run's own process and engine
@@ -639,6 +785,7 @@ def stage_cost(
             once = prompt_len * 4 + (logits_bytes if engine == "hf" else 0)
             read = once + runs * (read - once)
             written, hashed, compute_s = runs * written, runs * hashed, runs * compute_s
+            streamed_s, streamed_read = runs * streamed_s, runs * streamed_read
     elif stage == "gate_kld":
         positions = prompt_len - 1
         runs = cfg.kld.runs * (2 if cfg.kld.baseline else 1)
@@ -683,13 +830,15 @@ def stage_cost(
     compute_s += hashed / hw.sha256_bytes_per_s
     runtime = (
         startup
-        + read / hw.storage_read_bytes_per_s
+        + streamed_s
+        + (read - streamed_read) / hw.storage_read_bytes_per_s
         + written / hw.storage_write_bytes_per_s
         + download / hw.hub_download_bytes_per_s
         + compute_s
     )
-    if gpus and stage not in GPU_FORWARD_STAGES:
+    if not (on_gpu or (stage in ENGINE_STAGES and cfg.kld.engine == "vllm")):
         gpu_bytes = 0
+        gpus = 0 if stage not in ENGINE_STAGES else gpus
     return StageCost(
         stage, gpus, cpus, runtime, int(read), int(written), int(host), int(gpu_bytes), tuple(notes)
     )
@@ -703,30 +852,40 @@ def rule_resources(
     gpus: int = 0,
     fmt: str | None = None,
     layers: int = 1,
+    sequences: int | None = None,
     hardware: Hardware = B200,
 ) -> dict[str, int]:
     """SLURM request of one job: ``mem_mb`` = peak host x 1.25 rounded up to whole GiB (at least 2000),
     ``runtime`` = runtime x 2 in minutes rounded up to 10 (at least 10), ``gpu`` when the job has GPUs."""
-    cost = stage_cost(cfg, geometry, stage, gpus=gpus, fmt=fmt, layers=layers, hardware=hardware)
+    cost = stage_cost(
+        cfg, geometry, stage, gpus=gpus, fmt=fmt, layers=layers, sequences=sequences, hardware=hardware
+    )
     mem_mb = max(2000, math.ceil(cost.peak_host_bytes * 1.25 / GIB) * 1024)
     runtime = max(10, math.ceil(cost.runtime_s * 2 / 60 / 10) * 10)
     resources = {"mem_mb": mem_mb, "runtime": runtime}
-    if gpus:
-        resources["gpu"] = gpus
+    if cost.gpus:
+        resources["gpu"] = cost.gpus
     return resources
 
 
-GPU_STAGE_COUNT = {"collect_activation_stats": 4, "score_sensitivity": 4, "reference_logits": 4, "run_kld": 4}
+def job_gpus(cfg: MixquantConfig, stage: str) -> int:
+    """GPUs one job of ``stage`` uses: vLLM's tensor-parallel size for its stages, one for a stage that
+    computes on a CUDA numerics.device, else none."""
+    from mixquant.keys.artifacts import compute_device
+    from mixquant.numerics import device_type
+
+    if stage in ENGINE_STAGES and cfg.kld.engine == "vllm":
+        return cfg.kld.tensor_parallel_size
+    return 1 if device_type(compute_device(cfg, stage)) == "cuda" else 0
 
 
 def cost_table_markdown(cfg: MixquantConfig, geometry: Geometry, hardware: Hardware = B200) -> str:
-    """The per-stage per-job table of the README (GPU stages get 4 GPUs; quantize_layer per format)."""
+    """The per-stage per-job table of the README (quantize_layer per format; one score pass)."""
     rows = [
         "| stage (job) | GPUs | CPUs | runtime | read | written | peak host | GPU mem/GPU "
         "| rule mem_mb / runtime |"
     ]
     rows.append("|---|---|---|---|---|---|---|---|---|")
-    layers = cfg.placement.search.layers_per_job
     window = cfg.quantize.layers_per_job or len(geometry.moe_layers)
     jobs: list[tuple[str, str, dict[str, Any]]] = []
     for stage in STAGES:
@@ -735,19 +894,18 @@ def cost_table_markdown(cfg: MixquantConfig, geometry: Geometry, hardware: Hardw
         if stage == "quantize_layer":
             jobs += [(stage, f"{stage} {fmt} x{window}", {"fmt": fmt, "layers": window}) for fmt in FORMATS]
         elif stage == "score_sensitivity":
-            jobs += [
-                (stage, f"{stage} {fmt} x{layers}", {"fmt": fmt, "layers": layers})
-                for fmt in ("nvfp4_w4a16", "fp8")
-            ]
+            size = score_macro_batch(cfg, geometry, hardware)
+            jobs.append((stage, f"{stage} ({size} sequences)", {"sequences": size}))
         else:
             jobs.append((stage, stage, {}))
     for stage, label, kwargs in jobs:
-        gpus = GPU_STAGE_COUNT.get(stage, 0)
+        gpus = job_gpus(cfg, stage)
         cost = stage_cost(cfg, geometry, stage, gpus=gpus, hardware=hardware, **kwargs)
         res = rule_resources(cfg, geometry, stage, gpus=gpus, hardware=hardware, **kwargs)
         rows.append(
-            f"| {label} | {gpus} | {cost.cpus} | {_duration(cost.runtime_s)} | {_size(cost.bytes_read)} | "
-            f"{_size(cost.bytes_written)} | {_size(cost.peak_host_bytes)} | {_size(cost.peak_gpu_bytes)} | "
+            f"| {label} | {cost.gpus} | {cost.cpus} | {_duration(cost.runtime_s)} | "
+            f"{_size(cost.bytes_read)} | {_size(cost.bytes_written)} | {_size(cost.peak_host_bytes)} | "
+            f"{_size(cost.peak_gpu_bytes)} | "
             f"{res['mem_mb']} / {res['runtime']} min |"
         )
     return "\n".join(rows)

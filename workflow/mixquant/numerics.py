@@ -94,6 +94,35 @@ def key_identity(profile: str = "portable", threads: int = DEFAULT_THREADS) -> d
     return settings
 
 
+# Stages that compute on the configured device (numerics.device); the rest compute on the CPU. The hf
+# engine's stages only: a vLLM engine places itself.
+DEVICE_STAGES = frozenset(
+    {"collect_activation_stats", "quantize_layer", "score_sensitivity", "reference_logits", "run_kld"}
+)
+# What a CUDA process pins: no TF32, full-precision bf16 GEMM reductions, deterministic kernels (the
+# eager experts' index_add_ is an atomic scatter otherwise, so two runs could differ), cuBLAS's
+# deterministic workspace. The GPU model is not known at planning: it is in the fingerprint, not the key.
+CUDA_PROFILE = {
+    "tf32": False,
+    "bf16_reduced_precision_reduction": False,
+    "deterministic_algorithms": True,
+    "cublas_workspace_config": ":4096:8",
+}
+
+
+def device_type(device: str) -> str:
+    """'cpu' or 'cuda' of a configured device ('cuda:1' -> 'cuda')."""
+    return str(device).split(":", 1)[0]
+
+
+def numerics_key(device: str = "cpu", profile: str = "portable", threads: int = DEFAULT_THREADS) -> dict:
+    """What enters the key of a stage computing on ``device``: the device type and its profile (the
+    device index does not decide numbers)."""
+    if device_type(device) == "cuda":
+        return {"device": "cuda", **CUDA_PROFILE}
+    return {"device": "cpu", **key_identity(profile, threads)}
+
+
 def apply_environment(profile: str = "portable", threads: int = DEFAULT_THREADS) -> None:
     """Set the profile's environment in this process (inherited by its children), overriding the shell's.
 
@@ -145,17 +174,28 @@ def effective_mkl_cbwr() -> str | None:
     return MKL_CBWR_NAMES.get(code, str(code))
 
 
-def enter(profile: str | None = None, threads: int | None = None) -> dict[str, Any]:
+def enter(profile: str | None = None, threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Apply the profile in this process, import torch, check it took effect; the fingerprint.
 
     Raises NumericsError (one line) when ATen's capability or MKL's CBWR mode is not the profile's:
-    a host without AVX2, or a library that had already read other settings.
+    a host without AVX2, or a library that had already read other settings. With a CUDA ``device`` the
+    CUDA profile is applied as well (CPU work in the same process keeps the CPU profile).
     """
     asked_profile, asked_threads = requested()
     profile = profile or asked_profile
     threads = threads or asked_threads
     apply_environment(profile, threads)
+    if device_type(device) == "cuda":
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUDA_PROFILE["cublas_workspace_config"]
     import torch
+
+    if device_type(device) == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = CUDA_PROFILE["tf32"]
+        torch.backends.cudnn.allow_tf32 = CUDA_PROFILE["tf32"]
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = CUDA_PROFILE[
+            "bf16_reduced_precision_reduction"
+        ]
+        torch.use_deterministic_algorithms(CUDA_PROFILE["deterministic_algorithms"])
 
     torch.set_num_threads(threads)
     if profile == "portable":
@@ -173,7 +213,7 @@ def enter(profile: str | None = None, threads: int | None = None) -> dict[str, A
                 f"numerics profile 'portable' needs MKL_CBWR {PORTABLE_CBWR}, MKL runs {cbwr} "
                 "(MKL was initialised before the profile was applied)"
             )
-    return fingerprint()
+    return fingerprint(device_type(device))
 
 
 def _cpu_model() -> dict[str, str]:
@@ -205,6 +245,8 @@ DECISIVE_FIELDS = (
     "python",
     "host_isa",
     "gpu",
+    "cuda",
+    "cuda_profile",
     "tensor_parallel_size",
 )
 
@@ -244,6 +286,17 @@ def fingerprint(device: str = "cpu") -> dict[str, Any]:
     }
     if profile == "native" and device == "cpu":
         decisive["host_isa"] = host_isa()
+    if device == "cuda":  # the settings in effect (an hf stage pins CUDA_PROFILE; vLLM keeps its own)
+        decisive["cuda_profile"] = {
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "bf16_reduced_precision_reduction": bool(
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+            ),
+            "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        }
+        decisive["cuda"] = torch.version.cuda
+        if torch.cuda.device_count():  # 0 on a CPU-only torch
+            decisive["gpu"] = torch.cuda.get_device_name()
     host = {**_cpu_model(), "isa": host_isa(), "machine": platform.machine()}
     return {"decisive": decisive, "host": host}
 

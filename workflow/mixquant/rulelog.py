@@ -47,7 +47,8 @@ def rule_logging(log_path: str, stage: Any = None) -> Iterator[None]:
             from mixquant.numerics import enter
 
             logging.getLogger("mixquant.numerics").info(
-                "numerics %s", enter(numerics["profile"], numerics["threads"])
+                "numerics %s",
+                enter(numerics["profile"], numerics["threads"], numerics.get("device", "cpu")),
             )
         yield
     except Exception as error:  # noqa: BLE001 - reported as one line, traceback in the log

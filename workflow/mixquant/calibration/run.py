@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from mixquant.calibration.dataset import conversations, load_chat_dataset
+from mixquant.calibration.dataset import ConversationView, conversations, load_chat_dataset
 from mixquant.calibration.prompt import build_prompt, check_prompt_pin
 from mixquant.calibration.sample import sample_calibration
 from mixquant.calibration.tokens import save_token_ids
@@ -32,7 +32,11 @@ def load_tokenizer(tokenizer_settings: dict[str, Any], model_artifact: str | Pat
 
 
 def load_dataset_conversations(dataset_settings: dict[str, Any], limit_per_member: int | None = None):
-    """Conversations of the configured dataset: one list, or one list per hub member."""
+    """Conversations of the configured dataset: one list, or one lazy view per hub member split.
+
+    A hub split stays in its memory-mapped Arrow files and rows are decoded as they are visited
+    (:class:`ConversationView`), so a job holds the conversations it samples, not every split's column;
+    the local JSONL (the toy's corpus, a few MB) is materialised."""
     field = dataset_settings["messages_field"]
     if dataset_settings["source"] == "local":
         dataset = load_chat_dataset(
@@ -49,7 +53,7 @@ def load_dataset_conversations(dataset_settings: dict[str, Any], limit_per_membe
                 split=split,
                 messages_field=field,
             )
-            members.append(conversations(dataset, field))
+            members.append(ConversationView(dataset, field))
     return members
 
 

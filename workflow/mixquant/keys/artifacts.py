@@ -21,7 +21,7 @@ from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST
 from mixquant.keys.stages import computes_on_cpu, stage_preimage
-from mixquant.numerics import key_identity
+from mixquant.numerics import DEVICE_STAGES, numerics_key
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,15 @@ class Artifact:
     @property
     def done(self) -> bool:
         return (self.path / MANIFEST).is_file()
+
+
+def compute_device(cfg: MixquantConfig, stage: str) -> str:
+    """Where ``stage`` computes: numerics.device for the forward stages and the rebuild (the KLD stages
+    only with the hf engine: vLLM places itself), else the CPU."""
+    engine_stage = stage in ("reference_logits", "run_kld")
+    if stage in DEVICE_STAGES and not (engine_stage and cfg.kld.engine != "hf"):
+        return cfg.numerics.device
+    return "cpu"
 
 
 def keyed_path(results_dir: str | Path, stage: str, key: str) -> Path:
@@ -55,11 +64,18 @@ class _Graph:
     ) -> Artifact:
         upstream_keys = {role: self.artifacts[target].key for role, target in upstream.items()}
         if computes_on_cpu(stage):
-            # the CPU numerics profile decides this stage's numbers: it enters the key, and the job
-            # enters it before torch is imported (mixquant.numerics)
+            # the device and its numerics profile decide this stage's numbers: they enter the key, and
+            # the job enters the profile before torch is imported (mixquant.numerics)
             numerics = self.cfg.numerics
-            config_slice = {**config_slice, "numerics": key_identity(numerics.cpu, numerics.threads)}
-            settings = {**settings, "numerics": {"profile": numerics.cpu, "threads": numerics.threads}}
+            device = compute_device(self.cfg, stage)
+            config_slice = {
+                **config_slice,
+                "numerics": numerics_key(device, numerics.cpu, numerics.threads),
+            }
+            settings = {
+                **settings,
+                "numerics": {"profile": numerics.cpu, "threads": numerics.threads, "device": device},
+            }
         preimage = stage_preimage(stage, config_slice, upstream_keys)
         key = canonical_sha256(preimage)
         artifact = Artifact(
@@ -321,47 +337,70 @@ def placement_pins(cfg: MixquantConfig) -> dict[int, str]:
     return pins
 
 
-def score_jobs(cfg: MixquantConfig) -> list[tuple[str, list[int]]]:
-    """(format, layers) of each score_sensitivity job: MoE layers in fixed chunks of ``layers_per_job``
-    per scored candidate format; a pinned layer is scored only in its pinned format."""
-    layers = moe_layers(cfg)
+def scored_formats(cfg: MixquantConfig) -> dict[int, list[str]]:
+    """MoE layer -> the formats the search scores it in: every scored candidate format, or only its
+    pinned one (a layer pinned to bf16 needs no score)."""
     pins = placement_pins(cfg)
-    size = cfg.placement.search.layers_per_job
-    jobs = []
-    for fmt in (f for f in cfg.placement.formats if f in SCORED):
-        for i in range(0, len(layers), size):
-            chunk = [layer for layer in layers[i : i + size] if pins.get(layer, fmt) == fmt]
-            if chunk:
-                jobs.append((fmt, chunk))
-    return jobs
+    scored = [fmt for fmt in cfg.placement.formats if fmt in SCORED]
+    out = {}
+    for layer in moe_layers(cfg):
+        formats = [fmt for fmt in scored if pins.get(layer, fmt) == fmt]
+        if formats:
+            out[layer] = formats
+    return out
+
+
+def score_macro_batch(cfg: MixquantConfig) -> int:
+    """Calibration sequences per score_sensitivity job: ``placement.search.macro_batch``, or the largest
+    that fits the device by the cost model (every sequence when the geometry is not known)."""
+    search = cfg.placement.search
+    if search.macro_batch is not None:
+        return min(search.macro_batch, cfg.calibration.num_samples)
+    from mixquant.cluster import planning_geometry
+    from mixquant.costs import score_macro_batch as fitted
+
+    geometry = planning_geometry(cfg)
+    return fitted(cfg, geometry) if geometry is not None else cfg.calibration.num_samples
+
+
+def score_jobs(cfg: MixquantConfig) -> list[tuple[int, int]]:
+    """``(first, stop)`` calibration sequences of each score_sensitivity job: one streamed pass over the
+    weights per macro-batch, scoring every (MoE layer, format) on those sequences."""
+    size, total = score_macro_batch(cfg), cfg.calibration.num_samples
+    return [(first, min(first + size, total)) for first in range(0, total, size)]
 
 
 def _search_artifacts(graph: _Graph) -> None:
-    """score_sensitivity per (format, layer chunk) and the solve_placement checkpoint.
+    """score_sensitivity per macro-batch of calibration sequences, and the solve_placement checkpoint.
 
-    A score key holds the format, its layers, the scoring batch size and the keys of the model, the
-    calibration tokens and the layer x format results it scores -- not the budget, the other formats or
-    the solver, so a new budget reruns only the solve and a new candidate format only its own scoring.
+    A score key holds its sequences, the scored (layer, format) map, the scoring settings and the keys of
+    the model, the calibration tokens and the layer x format results it scores -- not the budget or the
+    solver, so a new budget reruns only the solve. Every pass carries every format, so a new candidate
+    format reruns the score jobs (and only its own quantize windows).
     """
     cfg = graph.cfg
     search = cfg.placement.search
+    scored = scored_formats(cfg)
     roles: dict[str, str] = {}
-    for fmt, layers in score_jobs(cfg):
+    for first, stop in score_jobs(cfg):
         upstream = {"model": "model", "calibration": "calibration"}
-        if search.calibration == "rebuild":  # the very layer x format results the rebuild ships
-            for layer in layers:
-                upstream[f"layer_{layer}"] = _layer_artifact(graph, layer, fmt)
-        elif fmt == "fp8":  # ModelOpt's own fake quant from the BF16 weights; FP8 inputs need amax
-            upstream["activations"] = "activations"
+        for layer, formats in scored.items():
+            for fmt in formats:
+                if search.calibration == "rebuild":  # the very layer x format results the rebuild ships
+                    upstream[f"{fmt}_layer_{layer}"] = _layer_artifact(graph, layer, fmt)
+                elif fmt == "fp8":  # ModelOpt's own fake quant of the BF16 weights; FP8 inputs need amax
+                    upstream["activations"] = "activations"
         score_slice = {
-            "format": fmt,
-            "layers": layers,
+            "sequences": [first, stop],
+            "scored": {str(layer): formats for layer, formats in scored.items()},
             "weights": search.calibration,
             "batch_size": search.batch_size,
+            "stack_branches": search.stack_branches,
         }
-        name = f"scores/{fmt}/{layers[0]}-{layers[-1]}"
-        graph.add(name, "score_sensitivity", score_slice, score_slice, upstream)
-        roles[f"scores_{fmt}_{layers[0]}"] = name
+        settings = {**score_slice, "checkpoint_interval_s": search.checkpoint_interval_s}
+        name = f"scores/{first}-{stop - 1}"
+        graph.add(name, "score_sensitivity", score_slice, settings, upstream)
+        roles[f"scores_{first}"] = name
     solve_slice = {
         "moe_layers": moe_layers(cfg),
         "formats": list(cfg.placement.formats),

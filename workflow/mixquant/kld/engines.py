@@ -113,7 +113,7 @@ class EngineSettings:
     enforce_eager: bool = True
     seed: int = 0
     enable_prefix_caching: bool = False
-    device: str | None = None  # hf: None -> "cuda" if available else "cpu"
+    device: str | None = None  # hf: cpu, cuda or cuda:N (None: cpu); the configured numerics.device
     threads: int | None = None  # hf on CPU: torch threads for the run
     max_model_len: int | None = None  # vllm: None -> vLLM's default (the config's max_position_embeddings)
     hf_fp8_kv_scales: str = "dynamic"  # hf, fp8 KV: "dynamic" (per-call amax) | "checkpoint" (vLLM's rule)
@@ -375,10 +375,15 @@ class HfEngine:
     """transformers ``LagunaForCausalLM`` (bf16, eager experts, sdpa) with the candidate's quantization
     reproduced: dequantized weights, FP8 W8A8 expert inputs fake-quantized at the exported static scale.
 
-    ``fp8_activations=False`` (diagnostics only) leaves FP8 layers weight-only.
+    Layer-streamed (:class:`mixquant.model.streaming.StreamedModel`): a decoder layer at a time is read,
+    dequantized with ModelOpt's export numerics where it is quantized, run and released, so a run holds
+    about two layers and the prompt's activations, on ``settings.device``. ``fp8_activations=False``
+    (diagnostics only) leaves FP8 layers weight-only.
     """
 
     def __init__(self, model_dir: str | Path, settings: EngineSettings, *, fp8_activations: bool = True):
+        from mixquant.model.streaming import StreamedModel, resolve_device
+
         if settings.engine != "hf":
             raise EngineError(f"hf engine: settings.engine is {settings.engine!r}")
         if settings.tensor_parallel_size != 1:
@@ -386,25 +391,28 @@ class HfEngine:
         self.model_dir = Path(model_dir)
         self.settings = settings
         self.who = f"hf engine: {self.model_dir}"
-        device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            self.device = torch.device(device)
-        except RuntimeError as exc:
-            raise EngineError(f"hf engine: bad device {device!r} ({exc})") from exc
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise EngineError(f"hf engine: device {device!r} but no CUDA GPU visible")
+            self.device = resolve_device(settings.device or "cpu")
+        except ValueError as exc:
+            raise EngineError(f"hf engine: {exc}") from exc
         self.checkpoint = describe_checkpoint(self.model_dir, "hf engine")
         _check_hf_supported(self.checkpoint)
         self.fp8_activations = bool(fp8_activations)
         self.kv_calls: Counter = Counter()  # (layer, "k" | "v") -> quantized tensors, fp8 KV only
-        with _threads(settings.threads):
-            self.model = self._load()
-        config = self.model.config
-        if config._experts_implementation != "eager":
-            raise EngineError(f"{self.who}: experts implementation {config._experts_implementation!r}")
+        try:
+            with _threads(settings.threads):
+                self.stream = StreamedModel(
+                    self.model_dir, device=self.device, dequantize=self.checkpoint["kind"] != "bf16"
+                )
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"{self.who}: cannot load ({type(exc).__name__}: {exc})") from exc
+        self.model = self.stream.model
         layer_formats = {int(k): v for k, v in self.checkpoint["layer_formats"].items()}
         self.fp8_layers = sorted(layer for layer, fmt in layer_formats.items() if fmt == "fp8")
-        self._fp8_quants = [self._fp8_layer_quant(layer) for layer in self.fp8_layers]
+        num_experts = int(getattr(self.model.config, "num_experts", 0) or 0)
+        self._fp8_amax = {
+            layer: _fp8_input_amax(self.model_dir, layer, num_experts, self.who) for layer in self.fp8_layers
+        }
         self._kv_static = self._kv_static_amax() if self._kv_fp8 and self._kv_mode == "checkpoint" else None
 
     @property
@@ -415,30 +423,19 @@ class HfEngine:
     def _kv_mode(self) -> str:
         return self.settings.hf_fp8_kv_scales
 
-    def _load(self) -> torch.nn.Module:
-        kwargs = {"experts_implementation": "eager", "attn_implementation": "sdpa"}
-        try:
-            if self.checkpoint["kind"] == "bf16":
-                from transformers import LagunaForCausalLM
+    def _fp8_inputs(self, layer: int):
+        """FP8 W8A8: the loaded layer's expert inputs fake-quantized at its exported static scale."""
+        from mixquant.search.score import LayerQuant, quantized_experts
 
-                model = LagunaForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16, **kwargs)
-            else:
-                from mixquant.export.dequant import load_dequantized_model
-
-                model = load_dequantized_model(self.model_dir, dtype=torch.bfloat16, **kwargs)
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"{self.who}: cannot load ({type(exc).__name__}: {exc})") from exc
-        return model.to(self.device).eval()
-
-    def _fp8_layer_quant(self, layer: int):
-        from mixquant.search.score import LayerQuant
-
+        if not (self.fp8_activations and layer in self._fp8_amax):
+            return contextlib.nullcontext()
         experts = self.model.model.layers[layer].mlp.experts
-        amax = _fp8_input_amax(self.model_dir, layer, int(experts.gate_up_proj.shape[0]), self.who)
-        # the model's own (dequantized) fused weights: swapping them in is a no-op, only the inputs change
-        return LayerQuant(
+        amax = self._fp8_amax[layer]
+        # the layer's own (dequantized) fused weights: swapping them in is a no-op, only the inputs change
+        quant = LayerQuant(
             layer, "fp8", experts.gate_up_proj.data, experts.down_proj.data, amax["gate_up"], amax["down"]
         )
+        return quantized_experts(self.model, quant)
 
     def _kv_static_amax(self) -> dict[int, dict[str, torch.Tensor]]:
         """vLLM's static KV scales: the checkpoint's k_scale / v_scale per layer, else 1.0 (amax 448)."""
@@ -458,24 +455,21 @@ class HfEngine:
                 out[layer][kind] = scale * FP8_E4M3_MAX
         return out
 
-    @contextlib.contextmanager
-    def _numerics(self) -> Iterator[None]:
-        from mixquant.search.score import quantized_experts
-
-        with contextlib.ExitStack() as stack:
-            if self.fp8_activations:
-                for quant in self._fp8_quants:
-                    stack.enter_context(quantized_experts(self.model, quant))
-            if self._kv_fp8:
-                stack.enter_context(fp8_kv_fake_quant(self.model, self._kv_static, self.kv_calls))
-            yield
-
     def prompt_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.model is None:
             raise EngineError(f"{self.who}: engine is closed")
         ids = _prompt_ids(token_ids)
-        with _threads(self.settings.threads), torch.inference_mode(), self._numerics():
-            logits = self.model(input_ids=ids[None].to(self.device), use_cache=False).logits
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_threads(self.settings.threads))
+            stack.enter_context(torch.no_grad())
+            if self._kv_fp8:
+                stack.enter_context(fp8_kv_fake_quant(self.model, self._kv_static, self.kv_calls))
+            inputs = self.stream.layer_inputs(ids[None])
+            hidden = inputs.hidden
+            for i, layer in self.stream.stream():
+                with self._fp8_inputs(i):
+                    hidden = layer(hidden, **inputs.kwargs[i])
+            logits = self.stream.head(hidden)
         return logits[0, :-1].float().cpu()
 
     def info(self) -> dict[str, Any]:
@@ -504,7 +498,7 @@ class HfEngine:
                 "transformers": transformers.__version__,
                 "modelopt": modelopt_version,
             },
-            "device": str(self.device),
+            "device": self.device.type,
             "dtype": self.settings.dtype,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
             "kv_cache_emulation": kv,
@@ -521,8 +515,9 @@ class HfEngine:
         }
 
     def close(self) -> None:
+        if self.model is not None:
+            self.stream.close()
         self.model = None
-        self._fp8_quants = []
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

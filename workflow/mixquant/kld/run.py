@@ -73,7 +73,8 @@ def logits_sha256(logits) -> str:
 def _engine_settings(settings: dict[str, Any], kv: str, threads: int | None):
     from mixquant.kld.engines import EngineSettings
 
-    return EngineSettings(**settings["engine"], kv_cache_dtype=kv, threads=threads)
+    device = settings.get("numerics", {}).get("device") if settings["engine"]["engine"] == "hf" else None
+    return EngineSettings(**settings["engine"], kv_cache_dtype=kv, threads=threads, device=device)
 
 
 def _prompt_ids(prompt: str | Path):

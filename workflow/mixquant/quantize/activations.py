@@ -251,20 +251,27 @@ def collect_activation_stats(
     progress: bool = True,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    streamed: bool = True,
+    reader: Any = None,
 ) -> dict:
     """Activation amaxes of the BF16 model in ``model_dir`` over ``calibration_ids`` ([N, T] token ids).
 
-    One forward of ``LagunaForCausalLM`` (bf16, eval, no grad, eager experts, ``attn_implementation``)
-    per ``batch_size`` sequences, no attention mask, ``use_cache=False``. ``threads`` sets
-    ``torch.set_num_threads`` for the duration (restored after). See the module docstring for where each
-    statistic is taken and what must match ModelOpt's calibration for bit-exact results.
+    The forward of ``LagunaForCausalLM`` (bf16, eval, no grad, eager experts, ``attn_implementation``) on
+    ``batch_size`` sequences at a time, no attention mask, ``use_cache=False``. Streamed (the default,
+    :class:`mixquant.model.streaming.StreamedModel`): layer-major, each decoder layer read once and every
+    batch run through it before the next is loaded, so memory holds about two layers plus the
+    calibration's hidden states; ``streamed=False`` loads the whole model and runs batch after batch (the
+    reference the streamed statistics equal bit for bit). ``threads`` sets ``torch.set_num_threads`` for
+    the duration (restored after). See the module docstring for where each statistic is taken and what
+    must match ModelOpt's calibration for bit-exact results.
 
     Returns ``{stat: {layer: tensor}}`` for the stats in ``EXPERT_STATS`` (MoE layers) and
     ``ATTENTION_STATS`` (all layers), plus ``"metadata"``: a ``dict[str, str]``.
     """
     import transformers
     from tqdm import tqdm
-    from transformers import LagunaForCausalLM
+
+    from mixquant.model.streaming import StreamedModel, resolve_device
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -273,18 +280,25 @@ def collect_activation_stats(
         raise ValueError(
             f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
         )
-    device = torch.device(device)
+    device = resolve_device(device)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(int(threads))
+    stream = None
     try:
-        model = LagunaForCausalLM.from_pretrained(
-            Path(model_dir),
-            dtype=torch.bfloat16,
-            experts_implementation="eager",
-            attn_implementation=attn_implementation,
-        )
-        model.to(device).eval()
+        if streamed:
+            stream = StreamedModel(model_dir, device=device, reader=reader)
+            model = stream.model
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                Path(model_dir),
+                dtype=torch.bfloat16,
+                experts_implementation="eager",
+                attn_implementation=attn_implementation,
+            )
+            model.to(device).eval()
         config = model.config
         if config._experts_implementation != "eager":
             raise RuntimeError(f"experts implementation is {config._experts_implementation!r}, need 'eager'")
@@ -294,19 +308,25 @@ def collect_activation_stats(
         k_amax: dict[int, torch.Tensor] = {}
         v_amax: dict[int, torch.Tensor] = {}
         starts = range(0, ids.shape[0], batch_size)
+        batches = [ids[start : start + batch_size] for start in starts]
         with (
             torch.no_grad(),
             _intercept_expert_linears(recorders),
             _intercept_attention(model, k_amax, v_amax),
         ):
-            for start in tqdm(
-                starts, desc="activation stats", unit="batch", file=sys.stderr, disable=not progress
-            ):
-                # model.model: the decoder stack only (the lm_head cannot influence any statistic)
-                model.model(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
+            if stream is not None:
+                stream.forward(batches, logits=False, progress="activation stats" if progress else None)
+            else:
+                for batch in tqdm(
+                    batches, desc="activation stats", unit="batch", file=sys.stderr, disable=not progress
+                ):
+                    # model.model: the decoder stack only (the lm_head cannot influence any statistic)
+                    model.model(input_ids=batch.to(device), use_cache=False)
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(old_threads)
+        if stream is not None:
+            stream.close()
 
     stats: dict[str, Any] = {name: {} for name in STATS}
     for layer, rec in recorders.items():
@@ -332,7 +352,7 @@ def collect_activation_stats(
         "dtype": "bfloat16",
         "experts_implementation": str(config._experts_implementation),
         "attn_implementation": str(config._attn_implementation),
-        "device": str(device),
+        "device": device.type,  # the index does not decide numbers (and must not change bytes)
         "threads": str(used_threads),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

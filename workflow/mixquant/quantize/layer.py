@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from mixquant.export.predict import DTYPE_BYTES
+from mixquant.checkpoint.shards import CheckpointError, read_safetensors_header
 from mixquant.export.predict import NVFP4_GROUP_SIZE as BLOCK_SIZE
 from mixquant.formats.fp8 import FP8_E4M3_MAX, fp8_export_tensors, fp8_max_amax, fp8_mse_weight_amax
 from mixquant.model.layout import CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, mlp_layer_types, natural_key
@@ -93,17 +93,12 @@ _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj
 _WEIGHT_SUFFIX = ".weight"
 # Accepted spellings of the two layer-shared activation amaxes (the first is canonical).
 _AMAX_KEYS = {"gate_up": ("gate_up", "gate_up_input_amax"), "down": ("down", "down_input_amax")}
-# Element sizes of safetensors dtypes (for the truncation check; unknown dtypes skip the size check).
-_ST_DTYPE_BYTES = DTYPE_BYTES
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _MSE_CHUNK_BLOCKS = 1 << 16  # NVFP4 multiplier MSE: blocks per ModelOpt calibrator (~4 MiB fp32 input)
 
 
-class QuantizeInputError(ValueError):
-    """Bad quantization input (checkpoint, layer, parameters); the message is one line naming the culprit."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
+# Bad quantization input (checkpoint, layer, parameters): one line naming the culprit. The checkpoint
+# reader's error, so a broken shard is the same error wherever it is found.
+QuantizeInputError = CheckpointError
 
 
 def expert_weight_name(layer: int, expert: int, proj: str) -> str:
@@ -116,58 +111,6 @@ def _expert_prefix(layer: int, expert: int, proj: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------- reading
-
-
-def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """Parse and sanity-check a safetensors header without reading tensor data.
-
-    Returns ``{name: {"dtype", "shape", "data_offsets"}}``. Raises :class:`QuantizeInputError` naming the
-    file if it is missing, shorter than its header, has an unparsable header, or is shorter than the data
-    the header declares (a truncated download), or if a tensor's byte range does not fit its shape.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise QuantizeInputError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-                raise QuantizeInputError(
-                    f"{path}: corrupt or truncated safetensors file (header of {header_len} bytes, "
-                    f"file of {size} bytes)"
-                )
-            raw = handle.read(header_len)
-    except OSError as exc:
-        raise QuantizeInputError(f"{path}: cannot read shard ({exc.strerror or exc})") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise QuantizeInputError(f"{path}: corrupt safetensors header ({exc})") from exc
-    header.pop("__metadata__", None)
-    data_start, data_end = 8 + header_len, 0
-    for name, info in header.items():
-        try:
-            begin, end = (int(v) for v in info["data_offsets"])
-            shape = [int(d) for d in info["shape"]]
-            dtype = str(info["dtype"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise QuantizeInputError(f"{path}: corrupt safetensors header entry for {name}") from exc
-        itemsize = _ST_DTYPE_BYTES.get(dtype)
-        if end < begin or (itemsize is not None and end - begin != math.prod(shape) * itemsize):
-            raise QuantizeInputError(
-                f"{path}: corrupt safetensors header: {name} ({dtype} {shape}) "
-                f"has byte range [{begin}, {end})"
-            )
-        data_end = max(data_end, end)
-    if data_start + data_end > size:
-        raise QuantizeInputError(
-            f"{path}: truncated safetensors file: header declares {data_start + data_end} bytes, "
-            f"file has {size}"
-        )
-    return header
 
 
 def check_checkpoint_shards(model_dir: Path) -> int:
@@ -618,6 +561,7 @@ def quantize_layer(
     *,
     activation_amax: dict | None = None,
     progress: bool = False,
+    device: str | torch.device = "cpu",
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantize the routed experts of one MoE ``layer`` of the upstream checkpoint at ``model_dir``.
 
@@ -630,6 +574,9 @@ def quantize_layer(
             quantizer per layer does; optional ``"routed_tokens"`` ([E] token counts) to report experts
             that were never routed (they get the same layer-shared input_scale).
         progress: show a per-expert progress bar (stderr).
+        device: where the scale search and the export arithmetic run (each expert's weights are moved
+            there; the exported tensors come back to the CPU). ModelOpt's export numerics on every
+            device: the pure-torch formulas, never the CUDA fake-quant kernels.
 
     Returns:
         ``(tensors, audit)``: ``tensors`` under the exported names (``model.layers.L.mlp.experts.E.
@@ -668,7 +615,10 @@ def quantize_layer(
         per_proj = {p: _ErrorTotals() for p in PROJECTIONS}
         source_bytes = 0
         bar = tqdm(total=source.num_experts, desc=f"layer {layer} {fmt}", disable=not progress, leave=False)
+        device = torch.device(device)
+        input_scales = {key: scale.to(device) for key, scale in input_scales.items()}
         for e, weights in source.experts():
+            weights = {proj: weight.to(device) for proj, weight in weights.items()}
             exported = _quantize_expert(layer, e, weights, fmt, params, input_scales)
             dequantized = dequantize_tensors(exported)
             for proj in PROJECTIONS:
@@ -681,7 +631,7 @@ def quantize_layer(
                 per_proj[proj].add(sq_err, sq_ref, numel, rel)
                 source_bytes += weights[proj].numel() * weights[proj].element_size()
             del dequantized
-            tensors.update(exported)
+            tensors.update({name: tensor.cpu() for name, tensor in exported.items()})
             bar.update(1)
         bar.close()
 

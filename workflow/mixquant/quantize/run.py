@@ -28,19 +28,26 @@ def run_collect_activation_stats(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """One BF16 forward over the calibration tokens recording expert-input and K/V amax."""
+    """One layer-streamed BF16 forward over the calibration tokens recording expert-input and K/V amax."""
     from mixquant.calibration.tokens import load_token_ids
+    from mixquant.checkpoint.shards import ShardReader
     from mixquant.quantize.activations import collect_activation_stats, save_activation_stats
-    from mixquant.quantize.layer import check_checkpoint_shards
 
     ids = load_token_ids(Path(calibration) / "calibration.safetensors")
-    model_dir = resolve_model_dir(model)
-    check_checkpoint_shards(model_dir)
-    stats = collect_activation_stats(model_dir, ids, batch_size=settings["batch_size"])
+    reader = ShardReader(resolve_model_dir(model))
+    reader.check_all()  # a broken shard stops here with one line naming it
+    device = settings.get("numerics", {}).get("device", "cpu")
+    stats = collect_activation_stats(
+        reader.model_dir, ids, batch_size=settings["batch_size"], device=device, reader=reader
+    )
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         save_activation_stats(stats, tmp)
-        summary.update(sequences=int(ids.shape[0]), tokens=int(ids.numel()))
+        summary.update(
+            sequences=int(ids.shape[0]),
+            tokens=int(ids.numel()),
+            layer_loads={str(k): v for k, v in sorted(reader.reads.items())},
+        )
     return Path(out_dir)
 
 
@@ -88,7 +95,12 @@ def run_quantize_layer(
             started = time.perf_counter()
             activation_amax = activation_amax_for_layer(stats, layer) if stats is not None else None
             tensors, audit = quantize_layer(
-                model_dir, layer, fmt, settings["params"], activation_amax=activation_amax
+                model_dir,
+                layer,
+                fmt,
+                settings["params"],
+                activation_amax=activation_amax,
+                device=settings.get("numerics", {}).get("device", "cpu"),
             )
             save_layer_result(tensors, audit, layer_result_dir(tmp, layer))
             per_layer[str(layer)] = {"tensors": len(tensors), "totals": audit.get("totals")}

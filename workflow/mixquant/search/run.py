@@ -42,68 +42,104 @@ def run_score_sensitivity(
     preimage: dict[str, Any],
     **layers: str | Path,
 ) -> Path:
-    """KL(BF16 || only layer L's routed experts in one format) for one chunk of MoE layers.
+    """KL(BF16 || only layer L's routed experts in format f) for every scored (L, f), on one macro-batch
+    of calibration sequences: one layer-streamed, branch-parallel pass over the weights
+    (:mod:`mixquant.search.branches`).
 
-    Weights: the ``layer_L`` quantize_layer results (``weights: rebuild``; ``layer_L`` names the window
-    holding layer L) or ModelOpt's own fake quant of the BF16 weights (``weights: max``, FP8 input amax
-    from ``activations``)."""
+    Weights: the ``{fmt}_layer_{L}`` quantize_layer windows (``weights: rebuild``) or ModelOpt's own fake
+    quant of the BF16 weights (``weights: max``, FP8 input amax from ``activations``). A killed job
+    resumes from the hidden states it saved beside its output (``.partial-<key>``)."""
+    import shutil
+
     import torch
     from safetensors.torch import load_file
 
     from mixquant.calibration.tokens import load_token_ids
+    from mixquant.checkpoint.shards import ShardReader
+    from mixquant.model.streaming import StreamedModel
     from mixquant.quantize.layer import LAYER_FILE
-    from mixquant.quantize.run import layer_result_dir
-    from mixquant.search.score import load_search_model, modelopt_search_quant, sensitivity_scores
+    from mixquant.quantize.run import activation_amax_for_layer, layer_result_dir
+    from mixquant.search.branches import branch_parallel_scores
+    from mixquant.search.score import layer_quant_from_tensors, modelopt_search_quant
 
-    fmt, wanted, weights = (
-        settings["format"],
-        [int(layer) for layer in settings["layers"]],
-        settings["weights"],
-    )
-    given = {int(role.removeprefix("layer_")): Path(path) for role, path in layers.items()}
-    if weights == "rebuild" and sorted(given) != sorted(wanted):
-        raise PlacementSearchError(f"score {fmt}: layer inputs {sorted(given)} != layers {wanted}")
+    first, stop = (int(v) for v in settings["sequences"])
+    scored = {int(layer): list(formats) for layer, formats in settings["scored"].items()}
+    weights = settings["weights"]
+    windows = {
+        (int(role.rsplit("_layer_", 1)[1]), role.rsplit("_layer_", 1)[0]): Path(path)
+        for role, path in layers.items()
+    }
+    wanted = {(layer, fmt) for layer, formats in scored.items() for fmt in formats}
+    if weights == "rebuild" and set(windows) != wanted:
+        missing = sorted(wanted - set(windows))
+        raise PlacementSearchError(
+            f"score sequences {first}-{stop - 1}: no quantize_layer result for {missing[:3]}"
+        )
     ids = load_token_ids(Path(calibration) / "calibration.safetensors")
-    if threads := settings.get("threads"):
-        torch.set_num_threads(int(threads))
+    if not 0 <= first < stop <= ids.shape[0]:
+        raise PlacementSearchError(f"score sequences {first}-{stop - 1}: the calibration has {ids.shape[0]}")
+    device = settings.get("numerics", {}).get("device", "cpu")
+    stats = None
+    if weights == "max" and any(fmt == "fp8" for _, fmt in wanted):
+        from mixquant.quantize.activations import load_activation_stats
+
+        stats = load_activation_stats(Path(activations))
+
+    def quant_for(layer: int, fmt: str, loaded: torch.nn.Module):
+        if weights == "rebuild":
+            tensors = load_file(str(layer_result_dir(windows[(layer, fmt)], layer) / LAYER_FILE))
+            return layer_quant_from_tensors(tensors, layer, fmt)
+        amax = activation_amax_for_layer(stats, layer) if fmt == "fp8" else None
+        return modelopt_search_quant(stream.model, layer, fmt, amax)
+
+    out_dir = Path(out_dir)
+    state_dir = out_dir.parent / f".partial-{out_dir.name}"
     started = time.perf_counter()
-    from mixquant.quantize.layer import check_checkpoint_shards
-
-    model_dir = resolve_model_dir(model)
-    check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
-    model_ = load_search_model(model_dir)
-    if weights == "rebuild":
-        quants = {
-            layer: load_file(str(layer_result_dir(given[layer], layer) / LAYER_FILE)) for layer in wanted
-        }
-    else:
-        from mixquant.quantize.run import activation_amax_for_layer
-
-        quants = {
-            layer: modelopt_search_quant(
-                model_, layer, fmt, activation_amax_for_layer(activations, layer) if fmt == "fp8" else None
-            )
-            for layer in wanted
-        }
-    scores = sensitivity_scores(model_, ids, quants, fmt, batch_size=settings["batch_size"], progress=True)
+    reader = ShardReader(resolve_model_dir(model))
+    reader.check_all()  # a broken shard stops here with one line naming it
+    with StreamedModel(reader.model_dir, device=device, reader=reader) as stream:
+        sums = branch_parallel_scores(
+            stream,
+            ids[first:stop],
+            scored,
+            quant_for,
+            batch_size=int(settings["batch_size"]),
+            stack=bool(settings["stack_branches"]),
+            state_dir=state_dir,
+            state_key=out_dir.name,
+            checkpoint_interval_s=float(settings.get("checkpoint_interval_s", 600.0)),
+            progress=True,
+        )
     seconds = time.perf_counter() - started
     result = {
-        "format": fmt,
         "weights": weights,
         "normalisation": NORMALISATION,
-        "batch_size": settings["batch_size"],
-        "sequences": int(ids.shape[0]),
-        "tokens": int(ids.numel()),
-        "layers": {str(layer): value for layer, value in scores.items()},
+        "batch_size": int(settings["batch_size"]),
+        "sequences": [first, stop],
+        "sequence_length": int(ids.shape[1]),
+        "kl_sums": {
+            fmt: {str(layer): values for layer, values in sorted(per_layer.items())}
+            for fmt, per_layer in sorted(sums.items())
+        },
     }
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         (tmp / SCORES_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        summary.update(format=fmt, layers=wanted, threads=torch.get_num_threads())
-    log.info("scored %d layers in %s in %.1f s", len(wanted), fmt, seconds)
-    for layer, value in scores.items():
-        log.info("layer %d %s: %.6g KL/token", layer, fmt, value["kl_per_token"])
-    return Path(out_dir)
+        summary.update(
+            sequences=[first, stop],
+            scored=len(wanted),
+            layer_loads={str(k): v for k, v in sorted(reader.reads.items())},
+        )
+    shutil.rmtree(state_dir, ignore_errors=True)
+    log.info(
+        "scored %d (layer, format) pairs on sequences %d-%d in %.1f s; read %d bytes",
+        len(wanted),
+        first,
+        stop - 1,
+        seconds,
+        reader.bytes_read,
+    )
+    return out_dir
 
 
 def routed_group_size(model_config: dict[str, Any]) -> tuple[int, float]:
@@ -236,7 +272,7 @@ def run_solve_placement(
             for g in groups
         ],
         "uniform": {name: {"effective_bits": b, "objective": o} for name, (b, o) in uniform.items()},
-        "score_jobs": [{"format": r["format"], "layers": sorted(map(int, r["layers"]))} for r in results],
+        "score_jobs": [{"sequences": r["sequences"], "formats": sorted(r["kl_sums"])} for r in results],
     }
     document = {
         "layers": {str(layer): fmt for layer, fmt in sorted(placement.items())},

@@ -85,27 +85,42 @@ def _amax_from_input_scale(scale: torch.Tensor) -> torch.Tensor:
 def layer_quant_from_tensors(
     tensors: Mapping[str, torch.Tensor], layer: int, fmt: str, *, dtype: torch.dtype = torch.bfloat16
 ) -> LayerQuant:
-    """A :class:`LayerQuant` from the tensors a ``quantize_layer`` job wrote (exported names)."""
+    """A :class:`LayerQuant` from the tensors a ``quantize_layer`` job wrote (exported names).
+
+    Dequantized one expert at a time straight into the fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors, so
+    the routed experts are held once in the model dtype (plus one expert's temporaries).
+    """
     from mixquant.quantize.layer import dequantize_tensors
 
-    deq = dequantize_tensors(tensors, dtype)
     prefix = _EXPERTS.format(layer=layer)
-    experts = sorted(
-        {int(name[len(prefix) + 1 :].split(".", 1)[0]) for name in deq if name.startswith(prefix)}
-    )
+    ids = {name[len(prefix) + 1 :].split(".", 1)[0] for name in tensors if name.startswith(prefix + ".")}
+    experts = sorted(int(e) for e in ids if e.isdigit())  # not e_score_correction_bias
     if not experts or experts != list(range(len(experts))):
         raise ValueError(
             f"layer {layer}: expected experts 0..E-1 in the quantized tensors, got {experts[:8]}"
         )
 
-    def weight(e: int, proj: str) -> torch.Tensor:
-        name = f"{prefix}.{e}.{proj}.weight"
-        if name not in deq:
-            raise ValueError(f"layer {layer}: missing {name}")
-        return deq[name]
+    def expert(e: int) -> dict[str, torch.Tensor]:
+        own = {n: t for n, t in tensors.items() if n.startswith(f"{prefix}.{e}.")}
+        deq = dequantize_tensors(own, dtype)
+        out = {}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"{prefix}.{e}.{proj}.weight"
+            if name not in deq:
+                raise ValueError(f"layer {layer}: missing {name}")
+            out[proj] = deq[name]
+        return out
 
-    gate_up = torch.stack([torch.cat([weight(e, "gate_proj"), weight(e, "up_proj")]) for e in experts])
-    down = torch.stack([weight(e, "down_proj") for e in experts])
+    gate_up = down = None
+    for e in experts:
+        weights = expert(e)
+        gate, up = weights["gate_proj"], weights["up_proj"]
+        if gate_up is None:
+            gate_up = torch.empty(len(experts), gate.shape[0] + up.shape[0], gate.shape[1], dtype=dtype)
+            down = torch.empty(len(experts), *weights["down_proj"].shape, dtype=dtype)
+        gate_up[e, : gate.shape[0]] = gate
+        gate_up[e, gate.shape[0] :] = up
+        down[e] = weights["down_proj"]
     amax: dict[str, torch.Tensor | None] = {"gate_up": None, "down": None}
     if fmt == "fp8":
         for kind, proj in (("gate_up", "gate_proj"), ("down", "down_proj")):
@@ -387,9 +402,29 @@ def sensitivity_scores(
 
 
 def scores_table(results: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
-    """{layer: {format: kl_per_token}} from score-job results (``{"format", "layers": {L: {...}}}``)."""
+    """{layer: {format: kl_per_token}} from score-job results, each holding one macro-batch's KL sum per
+    micro-batch (``{"sequences": [first, stop], "sequence_length", "kl_sums": {fmt: {layer: [...]}}}``).
+
+    The per-micro-batch sums are added in calibration order, left to right from 0.0 -- exactly the
+    accumulation of a single pass over every batch -- and divided by the tokens of every sequence.
+    """
+    ordered = sorted(results, key=lambda result: int(result["sequences"][0]))
+    covered = 0
+    for result in ordered:
+        first, stop = (int(v) for v in result["sequences"])
+        if first != covered:
+            raise ValueError(f"score jobs do not tile the calibration: sequences {covered}.. missing")
+        covered = stop
+    tokens = covered * int(ordered[0]["sequence_length"]) if ordered else 0
+    totals: dict[tuple[int, str], float] = {}
+    for result in ordered:
+        for fmt, per_layer in result["kl_sums"].items():
+            for layer, values in per_layer.items():
+                total = totals.get((int(layer), fmt), 0.0)
+                for value in values:
+                    total += float(value)
+                totals[(int(layer), fmt)] = total
     table: dict[int, dict[str, float]] = {}
-    for result in results:
-        for layer, value in result["layers"].items():
-            table.setdefault(int(layer), {})[result["format"]] = float(value["kl_per_token"])
+    for (layer, fmt), total in sorted(totals.items()):
+        table.setdefault(layer, {})[fmt] = total / tokens
     return table

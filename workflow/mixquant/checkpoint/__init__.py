@@ -1,0 +1,1 @@
+"""Safetensors I/O every stage shares: validated headers and a counting, streaming tensor reader."""

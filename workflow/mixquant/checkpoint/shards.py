@@ -1,0 +1,262 @@
+"""Reading a sharded safetensors checkpoint a few tensors at a time, with validated headers.
+
+:func:`read_safetensors_header` parses one shard's header without reading tensor data and checks that
+every declared byte range fits its shape and the file (a truncated download or a corrupt header stops
+with one line naming the shard). :class:`ShardReader` maps tensor names to shards (the index, or the
+single ``model.safetensors``), validates each shard's header once, and reads tensors with ``pread``
+straight into owned tensors -- no memory map, so what a stage holds is exactly what it asked for (the
+layer-streaming forward passes rely on that to bound their resident memory) -- optionally into pinned
+memory for a fast host-to-device copy. It counts what it reads: bytes, tensors and, per decoder layer,
+how many times the layer's tensors were read (the streaming tests check each layer is read exactly once
+per pass, and the cost model's bytes read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointError",
+    "ShardReader",
+    "layer_of",
+    "read_safetensors_header",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# safetensors dtype -> (torch dtype, element bytes)
+TORCH_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I16": (torch.int16, 2),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I32": (torch.int32, 4),
+    "F32": (torch.float32, 4),
+    "I64": (torch.int64, 8),
+    "F64": (torch.float64, 8),
+}
+DTYPE_BYTES = {name: size for name, (_, size) in TORCH_DTYPES.items()} | {
+    "F8_E8M0": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as declared; the message is one line naming the file."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a tensor name belongs to (``model.layers.L.``), None for the rest."""
+    match = _LAYER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Parse and sanity-check a safetensors header without reading tensor data.
+
+    Returns ``{name: {"dtype", "shape", "data_offsets"}}``. Raises :class:`CheckpointError` naming the
+    file if it is missing, shorter than its header, has an unparsable header, or is shorter than the data
+    the header declares (a truncated download), or if a tensor's byte range does not fit its shape.
+    """
+    return _read_header(Path(path))[0]
+
+
+def _read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """(header, offset of the data section) of one shard, validated (:func:`read_safetensors_header`)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors file (header of {header_len} bytes, "
+                    f"file of {size} bytes)"
+                )
+            raw = handle.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read shard ({exc.strerror or exc})") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
+    header.pop("__metadata__", None)
+    data_start, data_end = 8 + header_len, 0
+    for name, info in header.items():
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+            dtype = str(info["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}") from exc
+        itemsize = DTYPE_BYTES.get(dtype)
+        if end < begin or (itemsize is not None and end - begin != math.prod(shape) * itemsize):
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: {name} ({dtype} {shape}) "
+                f"has byte range [{begin}, {end})"
+            )
+        data_end = max(data_end, end)
+    if data_start + data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: header declares {data_start + data_end} bytes, "
+            f"file has {size}"
+        )
+    return header, data_start
+
+
+def checkpoint_weight_map(model_dir: Path) -> tuple[dict[str, str], Path]:
+    """``({tensor name: shard file name}, where it was read)``: the index, else the single file."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        from mixquant.jsonio import read_json
+
+        data = read_json(index, "safetensors index", error=CheckpointError)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: corrupt safetensors index (no weight_map)")
+        return {str(k): str(v) for k, v in weight_map.items()}, index
+    single = model_dir / SINGLE_FILE
+    if single.exists():
+        return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
+    raise CheckpointError(f"{model_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+class ShardReader:
+    """Tensors of one checkpoint directory by name, read on demand (thread-safe counters).
+
+    ``names`` are the checkpoint's own (disk) names. Each shard's header is validated the first time a
+    tensor of it is read. ``reads[layer]`` counts calls of :meth:`read` that touched decoder layer
+    ``layer`` (one per streamed load of that layer), ``bytes_read`` the tensor bytes read.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise CheckpointError(f"{self.model_dir}: checkpoint directory does not exist")
+        self.weight_map, self.where = checkpoint_weight_map(self.model_dir)
+        self._headers: dict[str, tuple[dict[str, dict[str, Any]], int]] = {}
+        self._lock = threading.Lock()
+        self.reads: Counter[int] = Counter()
+        self.bytes_read = 0
+        self.tensors_read = 0
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def layer_names(self, layer: int) -> list[str]:
+        prefix = f"model.layers.{int(layer)}."
+        return [name for name in self.weight_map if name.startswith(prefix)]
+
+    def non_layer_names(self) -> list[str]:
+        return [name for name in self.weight_map if layer_of(name) is None]
+
+    def check_all(self) -> int:
+        """Validate every shard's header and size (a broken shard stops here, one line naming it)."""
+        for file in sorted(set(self.weight_map.values())):
+            self._header(file)
+        return len(set(self.weight_map.values()))
+
+    def _header(self, file: str) -> tuple[dict[str, dict[str, Any]], int]:
+        with self._lock:
+            header = self._headers.get(file)
+        if header is None:
+            header = _read_header(self.model_dir / file)
+            with self._lock:
+                self._headers[file] = header
+        return header
+
+    def spec(self, name: str) -> dict[str, Any]:
+        """``{"dtype", "shape", "data_offsets"}`` of one tensor (its shard's header)."""
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.where}: no tensor {name}")
+        info = self._header(file)[0].get(name)
+        if info is None:
+            raise CheckpointError(
+                f"{self.model_dir / file}: tensor {name} is not in it (listed in {self.where})"
+            )
+        return info
+
+    def nbytes(self, names: Iterable[str]) -> int:
+        return sum(self.spec(n)["data_offsets"][1] - self.spec(n)["data_offsets"][0] for n in names)
+
+    def read(self, names: Iterable[str], *, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` read from the shards with pread (owned CPU tensors; pinned on request)."""
+        names = list(names)
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            self.spec(name)  # every name known and its shard valid before anything is read
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        total = 0
+        for file, members in sorted(by_file.items()):
+            path = self.model_dir / file
+            members.sort(key=lambda n: self.spec(n)["data_offsets"][0])
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read shard ({exc.strerror or exc})") from exc
+            try:
+                for name in members:
+                    out[name] = self._pread(fd, path, name, pin_memory)
+                    total += out[name].numel() * out[name].element_size()
+            finally:
+                os.close(fd)
+        layers = {layer for name in names if (layer := layer_of(name)) is not None}
+        with self._lock:
+            self.bytes_read += total
+            self.tensors_read += len(names)
+            for layer in layers:
+                self.reads[layer] += 1
+        return {name: out[name] for name in names}
+
+    def _pread(self, fd: int, path: Path, name: str, pin_memory: bool) -> torch.Tensor:
+        info = self.spec(name)
+        dtype_name = str(info["dtype"])
+        if dtype_name not in TORCH_DTYPES:
+            raise CheckpointError(f"{path}: {name} has dtype {dtype_name}, which mixquant does not read")
+        dtype, _ = TORCH_DTYPES[dtype_name]
+        begin, end = (int(v) for v in info["data_offsets"])
+        size = end - begin
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+        view = memoryview(buffer.numpy()) if size else memoryview(b"")
+        offset, done = self._header(self.weight_map[name])[1] + begin, 0
+        while done < size:
+            try:
+                got = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read {name} ({exc.strerror or exc})") from exc
+            if got <= 0:
+                raise CheckpointError(f"{path}: {name} ends early (read {done} of {size} bytes)")
+            done += got
+        shape = [int(d) for d in info["shape"]]
+        return buffer.view(dtype).reshape(shape)

@@ -1,0 +1,365 @@
+"""Layer streaming: forward passes that never hold the whole model, on CPU or CUDA.
+
+A :class:`StreamedModel` is the checkpoint's transformers model built on the meta device (a skeleton:
+modules, no storage) with only what every position needs materialized on the compute device -- the
+token embedding, the final norm, the lm_head and the rotary tables (non-persistent buffers, recomputed by
+the model's own rotary module). Decoder layers are read from the shards one at a time
+(:class:`mixquant.checkpoint.shards.ShardReader`: validated headers, ``pread`` into owned tensors),
+converted to the in-memory layout and attached by transformers' own loading code
+(``convert_and_load_state_dict_in_model`` with the model's conversion mapping: per-expert tensors fused,
+renames applied -- exactly what ``from_pretrained`` does), run, and released back to the meta device.
+While one layer computes, a background thread reads the next one's tensors (into pinned memory on
+CUDA), so host and device hold about two decoder layers plus the activations.
+
+Passes are layer-major: every sequence of a pass goes through layer ``i`` before layer ``i + 1`` is
+loaded, so each layer is read once per pass whatever the number of batches. The per-layer keyword
+arguments (masks, rotary embeddings, positions) are the model's own: :meth:`StreamedModel.layer_inputs`
+runs the model's forward with every decoder layer replaced by a recorder, which captures the embedding
+output and each layer's arguments without computing any layer. Calling the layers in order on those
+inputs and then :meth:`StreamedModel.head` is the model's forward, operation for operation, so the
+results are bit-identical to the whole-model forward on the same device (tests check it).
+
+An exported (ModelOpt) checkpoint streams through the same path with ``dequantize=True``: each layer's
+quantized weights are dequantized with ModelOpt's export numerics
+(:func:`mixquant.quantize.layer.dequantize_tensors`) before they are attached, their scale tensors and
+KV-cache scales dropped (:mod:`mixquant.export.dequant` holds the whole-model equivalent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixquant.checkpoint.shards import CheckpointError, ShardReader
+
+__all__ = ["LayerInputs", "StreamedModel", "dequantized_group", "resolve_device"]
+
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device a config names (``cpu``, ``cuda``, ``cuda:N``); one line when it is not there."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r}: not a torch device ({exc})") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: mixquant computes on cpu or cuda")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is visible to this process")
+        index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) visible")
+        resolved = torch.device("cuda", index)
+    return resolved
+
+
+@dataclass
+class LayerInputs:
+    """One batch's input to the decoder stack: the embedding output and each layer's keyword arguments."""
+
+    hidden: torch.Tensor
+    kwargs: list[dict[str, Any]]
+
+
+def dequantized_group(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Upstream-named tensors of an exported layer with quantized weights dequantized (export numerics),
+    their scales and the KV-cache scales dropped; everything else as stored."""
+    from mixquant.quantize.layer import dequantize_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(KV_SCALE_SUFFIXES):
+            continue
+        scale_of = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(s)), None)
+        if scale_of is not None and f"{scale_of}.weight" in tensors:
+            continue  # consumed with its weight
+        if name.endswith(".weight") and tensor.dtype in (torch.uint8, torch.float8_e4m3fn):
+            base = name.removesuffix(".weight")
+            group = {n: t for n, t in tensors.items() if n == name or n.startswith(f"{base}.")}
+            has = {n.removeprefix(base) for n in group}
+            nvfp4 = tensor.dtype == torch.uint8 and {".weight_scale", ".weight_scale_2"} <= has
+            fp8 = tensor.dtype == torch.float8_e4m3fn and ".weight_scale" in has
+            if not (nvfp4 or fp8):
+                raise CheckpointError(f"{name} is {tensor.dtype} without its scale tensors")
+            out[name] = dequantize_tensors(group, dtype)[name]
+        else:
+            out[name] = tensor
+    return out
+
+
+class _ReadTensor:
+    """A tensor already read, handed to transformers' loader as the lazy slice it expects: ``t[...]``
+    returns it once and drops this reference, so the loader's conversions (stacking experts, concatenating
+    gate and up) free each source as they consume it instead of holding the whole raw layer."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if index is not Ellipsis:
+            raise TypeError("a read tensor is materialised whole ([...])")
+        tensor, self._tensor = self._tensor, None
+        if tensor is None:
+            raise RuntimeError("tensor materialised twice")
+        return tensor
+
+
+@contextlib.contextmanager
+def _layer_loading() -> Iterator[None]:
+    """transformers' loader as a layer at a time needs it: its per-call 'Loading weights' progress bar off
+    (the stage's own bar says how far the pass is) and synchronous materialisation, so sources are
+    consumed one converter at a time (its thread pool would materialise every source up front)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    previous = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    hf_logging.disable_progress_bar()
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+        if previous is None:
+            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = previous
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _glibc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator's own policy applies
+        return None
+
+
+def _map_large_allocations() -> None:
+    """Serve every allocation of 128 KiB or more with its own mapping, returned to the system on free.
+
+    A streamed layer arrives as many mid-sized tensors (one per expert and projection). glibc raises its
+    mmap threshold after freeing a mapped chunk (up to 32 MiB), so later such tensors come from the heap,
+    where freed chunks stay resident: a pass's resident memory would grow with every layer it loads. A
+    fixed threshold turns that off (process-wide; a few more mmap calls)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def _release_freed_memory() -> None:
+    """Return freed heap pages to the system (the small tensors of a released layer); a no-op elsewhere."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class StreamedModel:
+    """A causal LM whose decoder layers are loaded one at a time (see the module docstring).
+
+    ``model_dir``: a checkpoint in its upstream layout (BF16) or, with ``dequantize=True``, a ModelOpt
+    export. ``reader``: a :class:`ShardReader` to read through (a counting one in tests). ``prefetch``:
+    read layer ``i + 1`` in a background thread while layer ``i`` computes.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        dequantize: bool = False,
+        reader: ShardReader | None = None,
+        prefetch: bool = True,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.dequantize = dequantize
+        self.reader = reader or ShardReader(self.model_dir)
+        self.prefetch = prefetch
+        _map_large_allocations()
+        config = AutoConfig.from_pretrained(self.model_dir)  # trust_remote_code stays off
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights arrive dequantized
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, experts_implementation="eager", attn_implementation="sdpa"
+            )
+        self.model = model.eval()
+        self.config = model.config
+        if self.config._experts_implementation != "eager":
+            raise RuntimeError(
+                f"experts implementation is {self.config._experts_implementation!r}, need 'eager'"
+            )
+        self.layers = model.model.layers
+        self.num_layers = len(self.layers)
+        self._mapping = get_model_conversion_mapping(model)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixquant-prefetch")
+        self._pending: dict[int, Future] = {}
+        self._attach(self.reader.non_layer_names(), what="embeddings, final norm, lm_head")
+        rotary = getattr(model.model, "rotary_emb", None)
+        if rotary is not None:  # non-persistent buffers: computed by the model's own module, on the device
+            model.model.rotary_emb = type(rotary)(config=self.config, device=self.device)
+        stray = [
+            name
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if tensor.device.type == "meta" and not name.startswith("model.layers.")
+        ]
+        if stray:
+            raise CheckpointError(f"{self.model_dir}: not in the checkpoint: {', '.join(stray[:4])}")
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return self.reader.read(names, pin_memory=self.device.type == "cuda")
+
+    def _attach(self, names: list[str], *, what: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Convert ``names`` (read now unless given; the dict is consumed) to the in-memory layout and
+        load them on the device."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        if tensors is None:
+            tensors = self._read(names)
+        if self.dequantize:
+            tensors = dequantized_group(tensors, self.dtype)
+        sources = {name: _ReadTensor(tensors.pop(name)) for name in list(tensors)}
+        load = LoadStateDictConfig(
+            dtype=self.dtype, weight_mapping=self._mapping, device_map={"": str(self.device)}
+        )
+        with _layer_loading():
+            info, _ = convert_and_load_state_dict_in_model(self.model, sources, load)
+        problems = (
+            sorted(info.unexpected_keys) + sorted(info.mismatched_keys) + sorted(info.conversion_errors)
+        )
+        if problems:
+            raise CheckpointError(f"{self.model_dir}: {what}: cannot load {problems[0]}")
+
+    def prefetch_layer(self, layer: int) -> None:
+        """Start reading layer ``layer``'s tensors in the background (a no-op out of range)."""
+        if self.prefetch and 0 <= layer < self.num_layers and layer not in self._pending:
+            self._pending[layer] = self._pool.submit(self._read, self.reader.layer_names(layer))
+
+    def load_layer(self, layer: int) -> torch.nn.Module:
+        """Decoder layer ``layer`` on the device (prefetched tensors when there are any)."""
+        names = self.reader.layer_names(layer)
+        if not names:
+            raise CheckpointError(f"{self.reader.where}: no tensors of layer {layer}")
+        pending = self._pending.pop(layer, None)
+        tensors = pending.result() if pending is not None else None
+        del pending  # the future would keep the raw tensors alive through the conversion
+        self._attach(names, what=f"layer {layer}", tensors=tensors)
+        module = self.layers[layer]
+        left = [
+            n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"
+        ]
+        if left:
+            raise CheckpointError(f"{self.model_dir}: layer {layer}: not in the checkpoint: {left[0]}")
+        return module
+
+    def release_layer(self, layer: int) -> None:
+        """Back to the meta device: the layer's storage is freed (and returned to the system)."""
+        self.layers[layer].to("meta")
+        if self.device.type == "cpu":
+            _release_freed_memory()
+
+    def stream(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, torch.nn.Module]]:
+        """``(i, layer)`` for ``start <= i < stop``: loaded on entry, released when the caller moves on;
+        the next layer is read in the background meanwhile."""
+        stop = self.num_layers if stop is None else stop
+        for layer in range(start, stop):
+            module = self.load_layer(layer)
+            self.prefetch_layer(layer + 1 if layer + 1 < stop else -1)
+            try:
+                yield layer, module
+            finally:
+                self.release_layer(layer)
+
+    def close(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> StreamedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------ computing
+
+    def layer_inputs(self, input_ids: torch.Tensor) -> LayerInputs:
+        """The decoder stack's input for ``input_ids`` ([B, T]) as the model's own forward builds it.
+
+        Runs the model's forward with each decoder layer replaced by a recorder (no layer computes): the
+        embedding output and every layer's keyword arguments (masks, rotary embeddings, positions).
+        """
+        records: list[dict[str, Any]] = []
+        first: list[torch.Tensor] = []
+
+        def recorder(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if args:
+                raise RuntimeError("decoder layers are called with positional arguments beyond the input")
+            if not first:
+                first.append(hidden_states)
+            records.append(kwargs)
+            return hidden_states
+
+        for layer in self.layers:
+            layer.forward = recorder
+        try:
+            with torch.no_grad():
+                self.model.model(input_ids=input_ids.to(self.device), use_cache=False)
+        finally:
+            for layer in self.layers:
+                del layer.forward
+        if len(records) != self.num_layers:
+            raise RuntimeError(f"the model called {len(records)} of its {self.num_layers} decoder layers")
+        return LayerInputs(first[0], records)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states: the final norm, then the lm_head (the model's own order)."""
+        return self.model.lm_head(self.model.model.norm(hidden))
+
+    def forward(
+        self, batches: list[torch.Tensor], *, logits: bool = True, progress: str | None = None
+    ) -> list:
+        """The whole forward of every batch, layer-major (each layer read once): logits per batch, or the
+        final hidden states before the norm with ``logits=False``."""
+        import sys
+
+        from tqdm import tqdm
+
+        inputs = [self.layer_inputs(ids) for ids in batches]
+        hidden = [item.hidden for item in inputs]
+        bar = tqdm(
+            total=self.num_layers,
+            desc=progress or "layers",
+            unit="layer",
+            file=sys.stderr,
+            disable=progress is None,
+        )
+        with torch.no_grad(), bar:
+            for i, layer in self.stream():
+                hidden = [layer(h, **item.kwargs[i]) for h, item in zip(hidden, inputs, strict=True)]
+                bar.update()
+            return [self.head(h) for h in hidden] if logits else hidden
