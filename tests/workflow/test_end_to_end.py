@@ -70,12 +70,13 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     config["calibration"]["num_samples"] = 16
     changed = wd.write_config("config/fewer-samples.yaml", config)
     # Nothing upstream reruns; downstream, only what reads calibration: activations, the FP8 layer
-    # results (one window of all 8 MoE layers: the search scores FP8 everywhere), every score job, the solve.
+    # results (one window of all 8 MoE layers: the search scores FP8 everywhere), the score passes (16
+    # sequences: one pass of macro_batch 32), the solve.
     assert wd.plan(changed) == {
         "sample_calibration": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 1,
-        "score_sensitivity": 4,
+        "score_sensitivity": 1,
         "solve_placement": 1,
     }
     wd.snakemake(wd.paths(changed)["calibration"]["path"], "--configfile", changed)

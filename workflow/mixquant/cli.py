@@ -322,10 +322,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not up.done:
             raise ValueError(f"{art.name}: upstream {role} ({up.stage}) is not built yet: {up.path}")
     numerics = art.settings.get("numerics")
-    if numerics:  # the same CPU numerics profile as the rule's job, entered before the stage imports torch
+    if numerics:  # the same numerics profile as the rule's job, entered before the stage imports torch
         from mixquant.numerics import enter
 
-        enter(numerics["profile"], numerics["threads"])
+        enter(numerics["profile"], numerics["threads"], numerics.get("device", "cpu"))
     module, function = STAGE_RUNNERS[art.stage].split(":")
     runner = getattr(importlib.import_module(module), function)
     paths = {role: up.path for role, up in upstream.items()}

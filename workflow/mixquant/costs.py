@@ -626,7 +626,7 @@ def stage_cost(
             download = data
             scratch = data  # the Arrow cache of the downloaded splits (a temporary directory)
         read = data
-        if cfg.dataset.source == "hub":  # memory-mapped Arrow, rows decoded as they are sampled
+        if cfg.dataset.source == "hub" and data:  # memory-mapped Arrow, rows decoded as they are sampled
             host += hw.arrow_conversion_bytes
         else:  # the local JSONL is materialised as Python lists and dicts
             host += int(data * hw.python_object_factor)
