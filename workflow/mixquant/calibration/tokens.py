@@ -121,3 +121,16 @@ def load_token_ids_metadata(path: str | Path) -> dict[str, str]:
 
     with safe_open(str(path), framework="pt") as handle:
         return dict(handle.metadata() or {})
+
+
+def calibration_batches(calibration_ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """``calibration_ids`` ([N, T] token ids) as int64 batches of ``batch_size`` sequences, in order: the
+    batches every forward stage runs (their size decides GEMM shapes, so bits)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = calibration_ids.detach().to(torch.long)
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise ValueError(
+            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
+        )
+    return [ids[start : start + batch_size] for start in range(0, ids.shape[0], batch_size)]

@@ -17,7 +17,7 @@ Tensors (upstream names, as ModelOpt's quant-aware reverse conversion writes the
       :func:`mixquant.quantize.activations.load_activation_stats`' ``k_amax`` / ``v_amax``.
 
     Tensor bytes are never decoded: untouched tensors and layer results are raw byte ranges of their
-    files, located through the validated header (:func:`mixquant.quantize.layer.read_safetensors_header`)
+    files, located through the validated header (:func:`mixquant.checkpoint.shards.read_safetensors_header`)
     and copied with ``os.copy_file_range`` (in-kernel; plain ``pread``/``write`` through one 8 MiB buffer
     where the kernel or file system refuses), so memory stays flat whatever the model size.
 
@@ -88,6 +88,7 @@ from typing import Any
 
 import torch
 
+from mixquant.checkpoint.shards import read_safetensors_header
 from mixquant.model.layout import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -102,12 +103,7 @@ from mixquant.model.layout import (
     write_json,
 )
 from mixquant.producer import default_producer
-from mixquant.quantize.layer import (
-    AUDIT_FILE,
-    LAYER_FILE,
-    QuantizeInputError,
-    read_safetensors_header,
-)
+from mixquant.quantize.layer import AUDIT_FILE, LAYER_FILE, QuantizeInputError
 from mixquant.quantize.reference import BF16, FORMATS, NVFP4
 
 __all__ = [

@@ -18,88 +18,71 @@ The whole model is held in memory (this is for evaluation, not for the export pa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mixquant.model.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA
-from mixquant.quantize.layer import dequantize_tensors, read_safetensors_header
+from mixquant.checkpoint.shards import SINGLE_FILE, CheckpointError, ShardReader
+from mixquant.model.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, SAFETENSORS_METADATA
+from mixquant.quantize.layer import dequantize_tensors
 
 __all__ = ["SCALE_SUFFIXES", "load_dequantized_model", "load_dequantized_state_dict"]
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
-_SINGLE_FILE = "model.safetensors"
 
 
-def _weight_map(export_dir: Path) -> dict[str, str]:
-    index = export_dir / INDEX_FILE
-    if index.exists():
-        return {
-            str(k): str(v) for k, v in json.loads(index.read_text(encoding="utf-8"))["weight_map"].items()
-        }
-    single = export_dir / _SINGLE_FILE
-    if single.exists():
-        return dict.fromkeys(read_safetensors_header(single), _SINGLE_FILE)
-    raise FileNotFoundError(f"{export_dir}: neither {INDEX_FILE} nor {_SINGLE_FILE} found")
+def dequantized_group(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Upstream-named tensors of an export (all of it, or one layer's) with every quantized weight
+    dequantized and its scales and the KV-cache scales dropped; everything else as stored.
+
+    A ``*.weight`` is dequantized when it is uint8 with ``weight_scale`` and ``weight_scale_2`` (NVFP4) or
+    float8_e4m3fn with ``weight_scale`` (FP8); a uint8 / float8 weight without its scales is an error.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(KV_SCALE_SUFFIXES):
+            continue
+        scale_of = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(s)), None)
+        if scale_of is not None and f"{scale_of}.weight" in tensors:
+            continue  # consumed with its weight
+        if name.endswith(".weight") and tensor.dtype in (torch.uint8, torch.float8_e4m3fn):
+            base = name.removesuffix(".weight")
+            group = {
+                name: tensor,
+                **{f"{base}{s}": tensors[f"{base}{s}"] for s in SCALE_SUFFIXES if f"{base}{s}" in tensors},
+            }
+            nvfp4 = tensor.dtype == torch.uint8 and {f"{base}.weight_scale", f"{base}.weight_scale_2"} <= set(
+                group
+            )
+            fp8 = tensor.dtype == torch.float8_e4m3fn and f"{base}.weight_scale" in group
+            if not (nvfp4 or fp8):
+                raise CheckpointError(f"{name} is {tensor.dtype} without its scale tensors")
+            with torch.no_grad():
+                out[name] = dequantize_tensors(group, dtype)[name]
+        else:
+            out[name] = tensor
+    return out
 
 
-@torch.no_grad()
 def load_dequantized_state_dict(
     export_dir: Path, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, torch.Tensor]:
-    """``{upstream name: tensor}`` of the export in ``export_dir``, quantized weights dequantized (``dtype``).
-
-    A ``*.weight`` is dequantized when it is uint8 with ``weight_scale`` and ``weight_scale_2`` (NVFP4) or
-    float8_e4m3fn with ``weight_scale`` (FP8); its scale tensors are dropped. A uint8 / float8 weight
-    without its scales is an error. KV-cache scales are dropped. Every other tensor is returned as
-    stored.
-    """
+    """``{upstream name: tensor}`` of the export in ``export_dir``, quantized weights dequantized
+    (``dtype``, :func:`dequantized_group`); every shard's header is validated first (a truncated or
+    corrupt shard stops with one line naming it)."""
     export_dir = Path(export_dir)
-    weight_map = _weight_map(export_dir)
-    for file in sorted(set(weight_map.values())):
-        read_safetensors_header(export_dir / file)  # truncated / corrupt shard: one line naming it
-    out: dict[str, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
-
-        def get(name: str) -> torch.Tensor:
-            file = weight_map[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(export_dir / file), framework="pt"))
-            return handles[file].get_tensor(name)
-
-        for name in weight_map:
-            if name.endswith(KV_SCALE_SUFFIXES):
-                continue
-            scale_of = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(s)), None)
-            if scale_of is not None and f"{scale_of}.weight" in weight_map:
-                continue  # consumed with its weight
-            tensor = get(name)
-            if name.endswith(".weight") and tensor.dtype in (torch.uint8, torch.float8_e4m3fn):
-                base = name.removesuffix(".weight")
-                group = {name: tensor}
-                for suffix in SCALE_SUFFIXES:
-                    if f"{base}{suffix}" in weight_map:
-                        group[f"{base}{suffix}"] = get(f"{base}{suffix}")
-                nvfp4 = tensor.dtype == torch.uint8 and {
-                    f"{base}.weight_scale",
-                    f"{base}.weight_scale_2",
-                } <= set(group)
-                fp8 = tensor.dtype == torch.float8_e4m3fn and f"{base}.weight_scale" in group
-                if not (nvfp4 or fp8):
-                    raise ValueError(f"{export_dir}: {name} is {tensor.dtype} without its scale tensors")
-                out[name] = dequantize_tensors(group, dtype)[name]
-            else:
-                out[name] = tensor
-    return out
+    reader = ShardReader(export_dir)
+    reader.check_all()
+    try:
+        return dequantized_group(reader.read(reader.names), dtype)
+    except CheckpointError as error:
+        raise CheckpointError(f"{export_dir}: {error}") from None
 
 
 def load_dequantized_model(
@@ -123,7 +106,7 @@ def load_dequantized_model(
         if (export_dir / GENERATION_CONFIG_FILE).exists():
             shutil.copyfile(export_dir / GENERATION_CONFIG_FILE, tmp_dir / GENERATION_CONFIG_FILE)
         payload = {name: t.contiguous() for name, t in state_dict.items()}
-        save_file(payload, str(tmp_dir / _SINGLE_FILE), metadata=dict(SAFETENSORS_METADATA))
+        save_file(payload, str(tmp_dir / SINGLE_FILE), metadata=dict(SAFETENSORS_METADATA))
         del payload, state_dict
         model = LagunaForCausalLM.from_pretrained(tmp_dir, dtype=dtype, **from_pretrained_kwargs)
         # parameters may still be views of the (memory-mapped) temporary file: materialize them

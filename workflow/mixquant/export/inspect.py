@@ -1,7 +1,7 @@
 """Audit a ModelOpt-format checkpoint directory from its safetensors headers and JSON files alone.
 
 :func:`inspect_checkpoint` never reads tensor data: every shard's header is parsed and validated
-(:func:`mixquant.quantize.layer.read_safetensors_header`: a truncated shard or corrupt header stops it with
+(:func:`mixquant.checkpoint.shards.read_safetensors_header`: a truncated shard or corrupt header stops it with
 one line naming the file), and the tensors are classified by name and by the set of tensors present:
 
 * routed-expert projection ``model.layers.L.mlp.experts.E.{gate,up,down}_proj`` by its tensors (see
@@ -90,7 +90,8 @@ class CheckpointInspectionError(ValueError):
 def _read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
     """``(tensors, header_bytes)`` of one shard; header_bytes = 8 + the JSON header's declared length."""
     # Imported here: mixquant.quantize.layer pulls in torch and ModelOpt, which only this needs.
-    from mixquant.quantize.layer import QuantizeInputError, read_safetensors_header
+    from mixquant.checkpoint.shards import CheckpointError as QuantizeInputError
+    from mixquant.checkpoint.shards import read_safetensors_header
 
     try:
         header = read_safetensors_header(path)

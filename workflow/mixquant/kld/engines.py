@@ -185,10 +185,10 @@ def _read_json(path: Path, who: str) -> Any:
 
 
 def _weight_map(model_dir: Path, who: str) -> dict[str, str]:
-    from mixquant.export.dequant import _weight_map
+    from mixquant.checkpoint.shards import checkpoint_weight_map
 
     try:
-        return _weight_map(model_dir)
+        return checkpoint_weight_map(model_dir)[0]
     except (FileNotFoundError, ValueError) as exc:
         raise EngineError(f"{who}: {exc}") from exc
 

@@ -21,8 +21,8 @@ results are bit-identical to the whole-model forward on the same device (tests c
 
 An exported (ModelOpt) checkpoint streams through the same path with ``dequantize=True``: each layer's
 quantized weights are dequantized with ModelOpt's export numerics
-(:func:`mixquant.quantize.layer.dequantize_tensors`) before they are attached, their scale tensors and
-KV-cache scales dropped (:mod:`mixquant.export.dequant` holds the whole-model equivalent).
+(:func:`mixquant.export.dequant.dequantized_group`) before they are attached, their scale tensors and
+KV-cache scales dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +40,7 @@ import torch
 
 from mixquant.checkpoint.shards import CheckpointError, ShardReader
 
-__all__ = ["LayerInputs", "StreamedModel", "dequantized_group", "resolve_device"]
-
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+__all__ = ["LayerInputs", "StreamedModel", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -70,32 +67,6 @@ class LayerInputs:
 
     hidden: torch.Tensor
     kwargs: list[dict[str, Any]]
-
-
-def dequantized_group(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Upstream-named tensors of an exported layer with quantized weights dequantized (export numerics),
-    their scales and the KV-cache scales dropped; everything else as stored."""
-    from mixquant.quantize.layer import dequantize_tensors
-
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name.endswith(KV_SCALE_SUFFIXES):
-            continue
-        scale_of = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(s)), None)
-        if scale_of is not None and f"{scale_of}.weight" in tensors:
-            continue  # consumed with its weight
-        if name.endswith(".weight") and tensor.dtype in (torch.uint8, torch.float8_e4m3fn):
-            base = name.removesuffix(".weight")
-            group = {n: t for n, t in tensors.items() if n == name or n.startswith(f"{base}.")}
-            has = {n.removeprefix(base) for n in group}
-            nvfp4 = tensor.dtype == torch.uint8 and {".weight_scale", ".weight_scale_2"} <= has
-            fp8 = tensor.dtype == torch.float8_e4m3fn and ".weight_scale" in has
-            if not (nvfp4 or fp8):
-                raise CheckpointError(f"{name} is {tensor.dtype} without its scale tensors")
-            out[name] = dequantize_tensors(group, dtype)[name]
-        else:
-            out[name] = tensor
-    return out
 
 
 class _ReadTensor:
@@ -240,6 +211,8 @@ class StreamedModel:
         if tensors is None:
             tensors = self._read(names)
         if self.dequantize:
+            from mixquant.export.dequant import dequantized_group
+
             tensors = dequantized_group(tensors, self.dtype)
         sources = {name: _ReadTensor(tensors.pop(name)) for name in list(tensors)}
         load = LoadStateDictConfig(

@@ -271,15 +271,11 @@ def collect_activation_stats(
     import transformers
     from tqdm import tqdm
 
+    from mixquant.calibration.tokens import calibration_batches
     from mixquant.model.streaming import StreamedModel, resolve_device
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batches = calibration_batches(calibration_ids, batch_size)
     ids = calibration_ids.detach().to(torch.long)
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise ValueError(
-            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
-        )
     device = resolve_device(device)
     old_threads = torch.get_num_threads()
     if threads is not None:
@@ -307,8 +303,6 @@ def collect_activation_stats(
         recorders = {i: _ExpertRecorder(i, layers[i].mlp.experts, device) for i in moe}
         k_amax: dict[int, torch.Tensor] = {}
         v_amax: dict[int, torch.Tensor] = {}
-        starts = range(0, ids.shape[0], batch_size)
-        batches = [ids[start : start + batch_size] for start in starts]
         with (
             torch.no_grad(),
             _intercept_expert_linears(recorders),
@@ -344,7 +338,7 @@ def collect_activation_stats(
         "num_sequences": str(ids.shape[0]),
         "seq_len": str(ids.shape[1]),
         "num_tokens": str(ids.numel()),
-        "num_batches": str(len(starts)),
+        "num_batches": str(len(batches)),
         "num_hidden_layers": str(len(layers)),
         "moe_layers": json.dumps(moe),
         "num_experts": str(int(config.num_experts)),

@@ -208,15 +208,10 @@ def branch_parallel_scores(
     """
     from tqdm import tqdm
 
-    ids = calibration_ids.detach().to(torch.long)
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise ValueError(
-            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
-        )
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    from mixquant.calibration.tokens import calibration_batches
+
+    micro_ids = calibration_batches(calibration_ids, batch_size)
     scored = {int(layer): list(formats) for layer, formats in scored.items() if formats}
-    micro_ids = [ids[start : start + batch_size] for start in range(0, ids.shape[0], batch_size)]
     inputs = [stream.layer_inputs(mb) for mb in micro_ids]
     kwargs_of = [[item.kwargs[i] for item in inputs] for i in range(stream.num_layers)]
     ref = [item.hidden for item in inputs]

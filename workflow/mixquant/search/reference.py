@@ -104,17 +104,6 @@ def _moe_layers(model: torch.nn.Module) -> list[int]:
     ]
 
 
-def _batches(calibration_ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    ids = calibration_ids.detach().to(torch.long)
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise ValueError(
-            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
-        )
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    return [ids[start : start + batch_size] for start in range(0, ids.shape[0], batch_size)]
-
-
 def _forward_step(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
     return model(input_ids=batch.to(device), use_cache=False).logits
@@ -164,7 +153,9 @@ def modelopt_kl_div_scores(
     moe = _moe_layers(model)
     if not layers or not set(layers) <= set(moe):
         raise ValueError(f"layers must be a non-empty subset of the MoE layers {moe}, got {layers}")
-    batches = _batches(calibration_ids, batch_size)
+    from mixquant.calibration.tokens import calibration_batches
+
+    batches = calibration_batches(calibration_ids, batch_size)
 
     targets = {experts_module_name(layer): layer for layer in layers}
     # Every auto-quantize module owns parameters; list all other such modules by exact name.

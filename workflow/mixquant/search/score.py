@@ -363,25 +363,22 @@ def sensitivity_scores(
     for layer, quant in quants.items():
         if quant.fmt != fmt:
             raise ValueError(f"layer {layer}: tensors are {quant.fmt}, asked to score {fmt}")
-    ids = calibration_ids.detach().to(torch.long)
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise ValueError(
-            f"calibration_ids must be a non-empty [num_sequences, seq_len], got {tuple(ids.shape)}"
-        )
+    from mixquant.calibration.tokens import calibration_batches
+
+    batches = calibration_batches(calibration_ids, batch_size)
     device = next(model.parameters()).device
     order = sorted(quants)
     sums = dict.fromkeys(order, 0.0)
-    starts = range(0, ids.shape[0], batch_size)
     bar = tqdm(
-        total=len(starts) * len(order),
+        total=len(batches) * len(order),
         desc=f"scores {fmt}",
         unit="fwd",
         file=sys.stderr,
         disable=not progress,
     )
     with torch.inference_mode(), bar:
-        for start in starts:
-            batch = ids[start : start + batch_size].to(device)
+        for batch in batches:
+            batch = batch.to(device)
             inputs = _LayerInputs(model, order[0], order)
             try:
                 logits = model(input_ids=batch, use_cache=False).logits
@@ -394,7 +391,7 @@ def sensitivity_scores(
                     sums[layer] += float(kl_sum(log_p, suffix_logits(model, layer, inputs), p))
                 bar.update()
             del inputs, log_p, p, logits
-    tokens = int(ids.numel())
+    tokens = sum(int(batch.numel()) for batch in batches)
     return {
         layer: {"kl_sum": sums[layer], "tokens": tokens, "kl_per_token": sums[layer] / tokens}
         for layer in order
