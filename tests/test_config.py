@@ -17,7 +17,7 @@ from mixquant.config import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ["config/config.yaml", "config/laguna-s-2.1.yaml"]
+CONFIGS = [str(path.relative_to(REPO)) for path in sorted((REPO / "config").glob("*.yaml"))]
 
 
 def test_committed_schema_is_generated_from_the_typed_config():

@@ -73,7 +73,13 @@ def test_toy_geometry_equals_the_built_toy_model():
     assert geometry.total_params == counts["total"]
     assert geometry.routed_params == counts["routed_experts"]
     assert geometry.active_params_per_token == counts["active_per_token"]
-    assert model_geometry(cfg) == geometry
+    # the shipped toy's config.json, read through its family's architecture: the same model
+    shipped = model_geometry(cfg)
+    for attribute in ("total_params", "routed_params", "active_params_per_token", "moe_layers", "bf16_bytes"):
+        assert getattr(shipped, attribute) == getattr(geometry, attribute), attribute
+    assert [shipped.layer_params(layer) for layer in range(9)] == [
+        geometry.layer_params(layer) for layer in range(9)
+    ]
 
 
 def test_model_geometry_of_a_hub_model_needs_its_config(laguna_cfg, laguna):
@@ -85,6 +91,28 @@ def test_model_geometry_of_a_hub_model_needs_its_config(laguna_cfg, laguna):
     missing = laguna_cfg.model_copy(update={"model": elsewhere})
     with pytest.raises(ValueError, match=r"^model\.geometry: cannot read .*no\.json"):
         model_geometry(missing, ROOT)
+
+
+def test_a_search_without_expected_counts_plans_the_heaviest_placement_the_budget_allows(laguna_cfg, laguna):
+    unexpected = laguna_cfg.model_copy(
+        update={"expected": laguna_cfg.expected.model_copy(update={"placement_counts": None})}
+    )
+    # 47 layers at <= 6.0 bits: 6 BF16 (+69 bits over NVFP4), the 1.5 left upgrade nothing
+    counts = placement_counts(unexpected, laguna)
+    assert counts == {"nvfp4_w4a16": 41, "fp8": 0, "bf16": 6}
+    # at 5.8 bits: 5 BF16 (+57.5 of 61.1 bits), the 3.6 left upgrade one layer to FP8
+    tighter = unexpected.model_copy(
+        update={"placement": unexpected.placement.model_copy(update={"target_effective_bits": 5.8})}
+    )
+    assert placement_counts(tighter, laguna) == {"nvfp4_w4a16": 41, "fp8": 1, "bf16": 5}
+    no_bf16 = unexpected.model_copy(
+        update={"placement": unexpected.placement.model_copy(update={"formats": ["nvfp4_w4a16", "fp8"]})}
+    )
+    assert placement_counts(no_bf16, laguna) == {"nvfp4_w4a16": 27, "fp8": 20, "bf16": 0}
+    for case in (unexpected, tighter, no_bf16):
+        n = placement_counts(case, laguna)
+        bits = (4.5 * n["nvfp4_w4a16"] + 8 * n["fp8"] + 16 * n["bf16"]) / 47
+        assert bits <= case.placement.target_effective_bits
 
 
 def test_export_bytes_match_the_release_payload(laguna_cfg, laguna):

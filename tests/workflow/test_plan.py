@@ -4,6 +4,8 @@ import json
 import re
 
 import pytest
+import yaml
+from mixquant.model.families import architecture
 
 # Up to the solve_placement checkpoint: the rebuild of the placement and the export are planned once
 # Snakemake has the placement (they appear in the plan of a later run).
@@ -229,3 +231,71 @@ def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
     chain = critical["chain"]
     assert chain[0] == "model" and chain[-1] == "release" and "placement" in chain
     assert chain.index("placement") < chain.index("checkpoint")
+
+
+# Real models of the other families (config/<name>.yaml, geometry in data/models/<name>/config.json): the
+# published parameter count, the model type, whether the source is published in block FP8.
+FAMILY_CONFIGS = {
+    "qwen3-235b-a22b": (235_093_634_560, "qwen3_moe", False),
+    "deepseek-v3": (671_026_419_200, "deepseek_v3", True),  # 671B, the MTP layer apart
+    "glm-4.6": (352_797_829_024, "glm4_moe", False),  # 355B with the MTP layer, which is not loaded
+    "minimax-m2": (228_689_764_864, "minimax_m2", True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_each_family_plans_and_predicts_from_its_committed_geometry(workdir, name):
+    params, model_type, fp8_source = FAMILY_CONFIGS[name]
+    configfile = f"config/{name}.yaml"
+    args = ("--profile", "profiles/slurm-blackwell", "--configfile", configfile)
+    plan = json.loads(workdir.mixquant("plan", "--json", *args).stdout)
+    rules = set(plan["rules"])
+    assert {"fetch_model", "collect_activation_stats", "quantize_layer", "score_sensitivity"} <= rules
+    assert ("dequantize_source" in rules) == fp8_source
+    stages = {row["stage"] for row in plan["estimates"]}
+    assert {"score_sensitivity", "export_checkpoint", "run_kld"} <= stages
+    assert plan["critical_path"]["seconds"] > 0 and plan["critical_path"]["chain"][-1] == "release"
+    arch = architecture(workdir.root / "data" / "models" / name / "config.json")
+    assert arch.model_type == model_type
+    moe = len(arch.moe_layers)
+    geometry = f"data/models/{name}/config.json"
+    predict = ("predict", "--model-config", geometry, "--json")
+    # KV-cache scales are Laguna's only: none by default, refused when asked for
+    fp8_kv = workdir.mixquant(
+        *predict, "--kv-cache-quant", "FP8", "--placement-counts", f"fp8={moe}", check=False
+    )
+    assert fp8_kv.returncode == 2 and fp8_kv.stdout == ""
+    assert (
+        fp8_kv.stderr.strip()
+        == f"mixquant: --kv-cache-quant FP8: KV-cache scales are not supported for {model_type}"
+    )
+    # counts must cover every MoE layer: the one-line error names how many there are
+    short = workdir.mixquant(*predict, "--placement-counts", "nvfp4_w4a16=2,fp8=1", check=False)
+    assert short.returncode == 2 and short.stdout == ""
+    assert short.stderr.strip() == f"mixquant: placement counts sum to 3, but the model has {moe} MoE layers"
+    counts = f"nvfp4_w4a16={moe - 3},fp8=2,bf16=1"
+    prediction = json.loads(workdir.mixquant(*predict, "--placement-counts", counts).stdout)
+    assert prediction["parameters"]["total"] == params
+    assert prediction["model"]["model_type"] == model_type
+    projections = 3 * arch.num_experts
+    assert prediction["tensors"]["routed"] == {
+        "nvfp4_w4a16": 3 * projections * (moe - 3),
+        "fp8": 3 * projections * 2,
+        "bf16": projections,
+    }
+    bits = (4.5 * (moe - 3) + 8 * 2 + 16) / moe
+    assert prediction["routed_effective_bits"] == pytest.approx(bits)
+    assert prediction["tensors"]["kv_scales"] == 0
+
+
+def test_kv_cache_scales_outside_laguna_stop_planning_in_one_line(workdir):
+    config = yaml.safe_load((workdir.root / "config" / "qwen3-235b-a22b.yaml").read_text())
+    config["export"]["kv_cache_quant"] = "fp8"
+    configfile = workdir.root / "qwen3-fp8-kv.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    result = workdir.mixquant("plan", "--configfile", str(configfile), check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"mixquant: {configfile}: config key 'export.kv_cache_quant': 'fp8', but KV-cache scales are "
+        "supported for laguna only (set it to null for qwen3_moe)"
+    )

@@ -214,11 +214,12 @@ def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) ->
         whole = resolve_artifacts(cfg, hash_cache_dir=cache, placement=placement_from_config(cfg))
         later = after_solve_artifacts(cfg, planned, whole)
     costs: dict = {}
-    estimates = estimate_plan(cfg, geometry, jobs, planned, later, costs=costs)
+    warnings: list[str] = []
+    estimates = estimate_plan(cfg, geometry, jobs, planned, later, costs=costs, warnings=warnings)
     todo = {name: art for name, art in whole.items() if art.key in costs or not art.done}
     after = [name for name, art in whole.items() if art in later]
     seconds, chain = critical_path(todo, costs, slots=slots, after=after)
-    return estimates, {"seconds": seconds, "chain": chain, "slots": slots}
+    return estimates, {"seconds": seconds, "chain": chain, "slots": slots, "warnings": warnings}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -270,6 +271,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("placement.explicit as a stand-in for the placement the search will choose):")
         print(estimate_table(estimates))
         if critical:
+            for line in critical["warnings"]:
+                print(f"warning: {line}")
             slots = f"{critical['slots']} jobs at once" if critical["slots"] else "unlimited parallel jobs"
             print()
             print(
@@ -287,6 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 STAGE_RUNNERS = {
     "build_toy_model": "mixquant.model.run:run_build_toy_model",
     "fetch_model": "mixquant.model.run:run_fetch_model",
+    "dequantize_source": "mixquant.model.run:run_dequantize_source",
     "sample_calibration": "mixquant.calibration.run:run_sample_calibration",
     "pin_prompt": "mixquant.calibration.run:run_pin_prompt",
     "collect_activation_stats": "mixquant.quantize.run:run_collect_activation_stats",
@@ -409,6 +413,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     counts = parse_placement_counts(args.placement_counts) if args.placement_counts else None
     placement = load_placement(args.placement) if args.placement else None
     kv = None if args.kv_cache_quant == "none" else args.kv_cache_quant
+    if args.kv_cache_quant is None or kv is not None:
+        from mixquant.model.families import architecture
+
+        arch = architecture(config)
+        if args.kv_cache_quant is None:
+            kv = "FP8" if arch.kv_cache_scales else None
+        elif not arch.kv_cache_scales:
+            print(
+                f"mixquant: --kv-cache-quant {kv}: KV-cache scales are not supported for {arch.model_type}",
+                file=sys.stderr,
+            )
+            return 2
     report = predict_structure(config, counts, placement, kv_cache_quant=kv)
     print(json.dumps(report, indent=2, default=str) if args.json else format_prediction(report))
     return 0
@@ -503,7 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     placement = p.add_mutually_exclusive_group(required=True)
     placement.add_argument("--placement-counts", metavar="nvfp4_w4a16=39,fp8=3,bf16=5")
     placement.add_argument("--placement", metavar="PLACEMENT_JSON")
-    p.add_argument("--kv-cache-quant", default="FP8", choices=["FP8", "none"], help="KV-cache scales (FP8)")
+    p.add_argument(
+        "--kv-cache-quant",
+        default=None,
+        choices=["FP8", "none"],
+        help="KV-cache scales (default: FP8 where the model family supports them, else none)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_predict)
 

@@ -154,10 +154,13 @@ def estimate_plan(
     artifacts: Mapping[str, Artifact],
     after_solve: Iterable[Artifact] = (),
     costs: dict[str, StageCost] | None = None,
+    warnings: list[str] | None = None,
 ) -> list[StageEstimate]:
     """Per-stage totals of the cost model over the planned jobs (and the jobs that follow the solve);
-    ``costs`` (when given) receives each job's :class:`StageCost` by key."""
+    ``costs`` (when given) receives each job's :class:`StageCost` by key, ``warnings`` a line per stage
+    whose jobs the profile gives fewer GPUs than they need (estimated with the GPUs they need)."""
     costs = {} if costs is None else costs
+    warnings = [] if warnings is None else warnings
     by_key = {art.key: art for art in artifacts.values()}
     rows: dict[tuple[str, bool], StageEstimate] = {}
     gpus_by_stage: dict[str, int] = {}
@@ -169,6 +172,14 @@ def estimate_plan(
             if job
             else gpus_by_stage.get(art.stage, engine_gpus(cfg, art.stage))
         )
+        needed = engine_gpus(cfg, art.stage)
+        if gpus < needed:
+            line = (
+                f"{art.stage}: needs {needed} GPUs per job, the profile gives {gpus} (set its gpu resource)"
+            )
+            if line not in warnings:
+                warnings.append(line)
+            gpus = needed
         gpus_by_stage.setdefault(art.stage, gpus)
         cpus = _cpus_allocated(job) if job else cpus_by_stage.get(art.stage)
         cpus_by_stage.setdefault(art.stage, cpus)

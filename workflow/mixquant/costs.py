@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from mixquant.config import MixquantConfig, parse_layer_ranges
-from mixquant.export.predict import FORMATS, checkpoint_tensors, predict_structure, routed_projection_tensors
+from mixquant.export.predict import (
+    FORMATS,
+    ROUTED_FORMAT_BITS,
+    checkpoint_tensors,
+    predict_structure,
+    routed_projection_tensors,
+)
 
 __all__ = [
     "B200",
@@ -36,6 +42,7 @@ __all__ = [
 
 STAGES = (
     "fetch_model",
+    "dequantize_source",
     "build_toy_model",
     "sample_calibration",
     "pin_prompt",
@@ -78,6 +85,11 @@ class Geometry:
     dtype_bytes: int = 2
     heads_per_layer: tuple[int, ...] = ()  # empty: num_attention_heads on every layer
     tie_word_embeddings: bool = False
+    # From the family's architecture (geometry_from_hf_config): exact parameter counts of every layer
+    # without its routed experts, and of the embeddings, final norm and lm_head; empty: Laguna's formulas
+    fixed_params_per_layer: tuple[int, ...] = ()
+    non_layer_params: int = 0
+    source_config_json: str = ""  # the config.json it was read from (to_hf_config returns it)
 
     def heads(self, layer: int) -> int:
         return self.heads_per_layer[layer] if self.heads_per_layer else self.num_attention_heads
@@ -105,15 +117,21 @@ class Geometry:
             )
         return 3 * self.hidden_size * self.intermediate_size
 
+    def fixed_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer`` without its routed experts (norms included)."""
+        if self.fixed_params_per_layer:
+            return self.fixed_params_per_layer[layer]
+        return self.attention_params(layer) + self.mlp_params(layer) + 2 * self.hidden_size
+
     def layer_params(self, layer: int) -> int:
         """Parameters of decoder layer ``layer`` (routed experts included)."""
         routed = self.routed_params_per_layer if layer in self.moe_layers else 0
-        return self.attention_params(layer) + self.mlp_params(layer) + routed + 2 * self.hidden_size
+        return self.fixed_params(layer) + routed
 
     def layer_active_params(self, layer: int) -> int:
         """Parameters one token multiplies in decoder layer ``layer`` (top-k routed experts only)."""
         routed = self.num_experts_per_tok * self.routed_params_per_expert if layer in self.moe_layers else 0
-        return self.attention_params(layer) + self.mlp_params(layer) + routed
+        return self.fixed_params(layer) + routed
 
     @property
     def lm_head_params(self) -> int:
@@ -121,8 +139,10 @@ class Geometry:
 
     @property
     def total_params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         layers = sum(self.layer_params(layer) for layer in range(self.num_hidden_layers))
+        if self.fixed_params_per_layer:
+            return self.non_layer_params + layers
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return embeddings + layers + self.hidden_size
 
     @property
@@ -162,9 +182,12 @@ class Geometry:
         return float(per_token) * tokens
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A config.json-shaped dict (the keys export/predict.py reads)."""
+        """The config.json it was read from, else a Laguna config.json-shaped dict (the toy's)."""
+        if self.source_config_json:
+            return json.loads(self.source_config_json)
         layers = self.num_hidden_layers
         return {
+            "model_type": "laguna",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": layers,
@@ -186,7 +209,11 @@ class Geometry:
 
 
 def geometry_from_hf_config(config: dict[str, Any], moe_layers: Any = None) -> Geometry:
-    """Geometry of a Laguna config.json dict; ``moe_layers`` (indices or '1-47') else its mlp_layer_types."""
+    """Geometry of a config.json dict: with a ``model_type``, exact parameter counts from its family's
+    architecture (mixquant.model.families: the transformers class on the meta device); without one,
+    Laguna's keys. ``moe_layers`` (indices or '1-47') else the model's own."""
+    if config.get("model_type"):
+        return _geometry_from_architecture(config, moe_layers)
     layers = int(config["num_hidden_layers"])
     if moe_layers is None:
         types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
@@ -212,6 +239,53 @@ def geometry_from_hf_config(config: dict[str, Any], moe_layers: Any = None) -> G
         dtype_bytes={"bfloat16": 2, "float16": 2, "float32": 4}[str(dtype)],
         heads_per_layer=tuple(int(h) for h in config.get("num_attention_heads_per_layer") or ()),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def _geometry_from_architecture(config: dict[str, Any], moe_layers: Any = None) -> Geometry:
+    import math as _math
+
+    from mixquant.model.families import architecture
+
+    arch = architecture(config)
+    layers = arch.num_hidden_layers
+    fixed = [0] * layers
+    non_layer = 0
+    for name, (shape, _dtype) in arch.non_expert_tensors().items():
+        count = _math.prod(shape)
+        if name.startswith("model.layers."):
+            fixed[int(name.split(".")[2])] += count
+        else:
+            non_layer += count
+    if moe_layers is None:
+        moe_layers = list(arch.moe_layers)
+    elif isinstance(moe_layers, str):
+        moe_layers = parse_layer_ranges(moe_layers)
+    inter, hidden = arch.expert_shape("gate_proj")
+    heads = int(config["num_attention_heads"])
+    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return Geometry(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        intermediate_size=int(config.get("intermediate_size") or inter),
+        num_experts=arch.num_experts,
+        num_experts_per_tok=arch.experts_per_token,
+        moe_intermediate_size=int(inter),
+        shared_expert_intermediate_size=int(
+            config.get("shared_expert_intermediate_size")
+            or int(config.get("n_shared_experts") or 0) * int(inter)
+        ),
+        moe_layers=tuple(int(layer) for layer in moe_layers),
+        dtype_bytes={"bfloat16": 2, "float16": 2, "float32": 4}[str(dtype)],
+        heads_per_layer=tuple(int(h) for h in config.get("num_attention_heads_per_layer") or ()),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        fixed_params_per_layer=tuple(fixed),
+        non_layer_params=non_layer,
+        source_config_json=json.dumps(config, sort_keys=True),
     )
 
 
@@ -297,6 +371,8 @@ class Hardware:
             "bf16": 5.81e7,  # measured (read + audit only)
         }
     )
+    # measured: checkpoint.fp8_source.dequantize_block_fp8 of a 2048 x 7168 block-FP8 weight, torch 1 thread
+    cpu_dequant_fp8_elements_per_s_per_core: float = 1.68e8
     sha256_bytes_per_s: float = 1.19e9  # measured: hashlib, one core
     hub_dataset_split_bytes: int = 2 * 10**9  # assumption: one hub dataset split (or local JSONL) as loaded
     python_object_factor: float = 3.0  # assumption: a dataset column as Python lists / dicts vs its bytes
@@ -352,7 +428,11 @@ class StageCost:
 
 def placement_counts(cfg: MixquantConfig, geometry: Geometry) -> dict[str, int]:
     """Routed formats per MoE layer the export will have: the explicit map; for a search, the expected
-    counts when given, else all BF16 (the largest checkpoint: an upper bound)."""
+    counts when given, else the heaviest placement the bit budget allows (an upper bound on the bytes).
+
+    Every MoE layer's routed experts have the same size, so the budget bounds the mean bits per layer:
+    as many layers as fit take the widest format, the rest the narrowest, and one layer takes a middle
+    format when the remainder allows it."""
     layers = list(geometry.moe_layers)
     if cfg.placement.source == "explicit":
         formats = dict.fromkeys(layers, cfg.placement.explicit.default_format)
@@ -362,7 +442,17 @@ def placement_counts(cfg: MixquantConfig, geometry: Geometry) -> dict[str, int]:
         return {fmt: sum(1 for f in formats.values() if f == fmt) for fmt in FORMATS}
     if cfg.expected.placement_counts is not None:
         return cfg.expected.placement_counts.model_dump()
-    return {"nvfp4_w4a16": 0, "fp8": 0, "bf16": len(layers)}
+    allowed = sorted(cfg.placement.formats, key=ROUTED_FORMAT_BITS.__getitem__)
+    counts = dict.fromkeys(FORMATS, 0)
+    counts[allowed[0]] = len(layers)
+    spare = (cfg.placement.target_effective_bits - ROUTED_FORMAT_BITS[allowed[0]]) * len(layers) + 1e-9
+    for fmt in reversed(allowed[1:]):  # widest first
+        step = ROUTED_FORMAT_BITS[fmt] - ROUTED_FORMAT_BITS[allowed[0]]
+        upgraded = min(counts[allowed[0]], max(0, math.floor(spare / step)))
+        counts[fmt] += upgraded
+        counts[allowed[0]] -= upgraded
+        spare -= upgraded * step
+    return counts
 
 
 def _layer_result_bytes(geometry: Geometry, fmt: str) -> int:
@@ -527,6 +617,11 @@ def _streamed_seconds(read: float, compute_s: float, geometry: Geometry, hw: Har
     return first / read_rate + max((read - first) / read_rate, serial)
 
 
+def _fp8_source_bytes(geometry: Geometry) -> int:
+    """A block-FP8 checkpoint's bytes: one per weight element and a float32 scale per 128 x 128 block."""
+    return geometry.total_params + geometry.total_params * 4 // (128 * 128)
+
+
 def _fits_note(stage: str, peak_gpu: int, hardware: Hardware) -> tuple[str, ...]:
     if peak_gpu > hardware.gpu_memory_bytes:
         need, have = peak_gpu / GIB, hardware.gpu_memory_bytes / GIB
@@ -587,12 +682,20 @@ def stage_cost(
     calib = cfg.calibration
 
     if stage == "fetch_model":
+        from mixquant.keys.artifacts import source_fp8_block
+
+        source_bytes = _fp8_source_bytes(geometry) if source_fp8_block(cfg) else model_bytes
         if cfg.model.source == "hub":
-            download, written, hashed = model_bytes, model_bytes, model_bytes
-            read = model_bytes  # local_dir_identity hashes every downloaded file
+            download, written, hashed = source_bytes, source_bytes, source_bytes
+            read = source_bytes  # local_dir_identity hashes every downloaded file
         else:
             read = hashed = model_bytes  # fetch_local_model hashes the directory in place
             notes.append("local: nothing copied, every file hashed")
+    elif stage == "dequantize_source":  # block FP8 -> BF16 a shard at a time (checkpoint.fp8_source)
+        read = hashed = _fp8_source_bytes(geometry)
+        written = model_bytes
+        compute_s = geometry.total_params / (hw.cpu_dequant_fp8_elements_per_s_per_core * cpus)
+        host += 3 * model_bytes // max(1, geometry.num_hidden_layers)  # about one shard in and out
     elif stage == "build_toy_model":
         toy = cfg.model.toy
         tokens = toy.training.steps * toy.training.batch_size * toy.training.seq_len

@@ -34,6 +34,7 @@ def check_plan(cfg: MixquantConfig, source: str = "config", root: Path = Path(".
                     f"({reason}); {ALLOW_OUTSIDE}"
                 )
     model_config = planning_model_config(cfg, source, root)
+    _check_architecture(cfg, source, model_config)
     _check_layers(cfg, source, model_config)
     _check_context(cfg, source, model_config)
     if cfg.placement.source == "search":
@@ -144,6 +145,44 @@ def _check_context(cfg: MixquantConfig, source: str, model_config: dict | None) 
             f"{source}: config key 'kld.max_model_len': {reserved} is shorter than prompt.seq_len "
             f"{cfg.prompt.seq_len}; feasible: {cfg.prompt.seq_len}..{upper}"
         )
+
+
+def _check_architecture(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:
+    """A model type some family covers (mixquant.model.families), whose MoE layers model.moe_layers names."""
+    if cfg.model.source == "toy" or not model_config or "model_type" not in model_config:
+        return
+    from mixquant.model.families import UnsupportedArchitecture, architecture
+
+    key = _context_key(cfg)
+    try:
+        arch = architecture(model_config)
+    except UnsupportedArchitecture as exc:
+        raise ConfigError(f"{source}: config key '{key}': {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{source}: config key '{key}': not a config.json transformers can build ({exc})"
+        ) from None
+    if cfg.export.kv_cache_quant and not arch.kv_cache_scales:
+        raise ConfigError(
+            f"{source}: config key 'export.kv_cache_quant': {cfg.export.kv_cache_quant!r}, but KV-cache "
+            f"scales are supported for {', '.join(_kv_model_types())} only "
+            f"(set it to null for {arch.model_type})"
+        )
+    if cfg.model.moe_layers is not None and moe_layers(cfg) != list(arch.moe_layers):
+        from mixquant.release.recipe import layer_ranges
+
+        raise ConfigError(
+            f"{source}: config key 'model.moe_layers': {cfg.model.moe_layers!r}, but the {arch.model_type} "
+            f"model's MoE layers are {layer_ranges(list(arch.moe_layers))}"
+        )
+
+
+def _kv_model_types() -> list[str]:
+    from mixquant.model.families import FAMILIES
+
+    return sorted(
+        t for family in FAMILIES if getattr(family, "KV_CACHE_SCALES", False) for t in family.MODEL_TYPES
+    )
 
 
 def _check_layers(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:

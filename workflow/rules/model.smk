@@ -1,5 +1,6 @@
 # The BF16 source model: the embedded toy Laguna is built and trained here (build_toy_model);
-# a real model is pinned by hub revision or by the content of a local directory (fetch_model).
+# a real model is pinned by hub revision or by the content of a local directory (fetch_model), and a
+# block-FP8 one made BF16 by its publisher's dequantization (dequantize_source).
 
 
 if CFG.model.source == "toy":
@@ -43,3 +44,27 @@ rule fetch_model:
         stage=keyed_params,
     script:
         "../scripts/fetch_model.py"
+
+
+# A source published in block FP8 (DeepSeek-V3, MiniMax-M2) becomes the BF16 source every stage reads.
+rule dequantize_source:
+    input:
+        unpack(keyed_inputs),
+    output:
+        model=directory(f"{CFG.results_dir}/dequantize_source/{{key}}"),
+    log:
+        f"{CFG.results_dir}/logs/dequantize_source/{{key}}.log",
+    benchmark:
+        f"{CFG.results_dir}/benchmarks/dequantize_source/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
+    conda:
+        "../../envs/quant.yaml"
+    threads: CFG.numerics.threads
+    resources:
+        mem_mb=keyed_mem_mb,
+        runtime=keyed_runtime,
+    params:
+        stage=keyed_params,
+    script:
+        "../scripts/dequantize_source.py"

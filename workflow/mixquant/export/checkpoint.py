@@ -54,6 +54,10 @@ Configs (ModelOpt's own code computes them, see :func:`modelopt_hf_quant_config`
 
     Known differences from ModelOpt's files, apart from ``producer``:
 
+    * MiniMax-M2 only: ``quantized_layers`` keys are ``model.layers.L.mlp.experts``, where ModelOpt writes
+      the disk name ``block_sparse_moe``: vLLM 0.34 resolves only the former for that model (with
+      ModelOpt's keys its experts would load as BF16); :mod:`mixquant.model.families.mixtral`.
+
     * ``config.json`` keeps every key of the source ``config.json``. ModelOpt re-serialises the config
       through transformers (``save_pretrained``, diff against defaults), which drops default-valued keys
       and the legacy ``torch_dtype`` spelling (for the toy: ``_name_or_path``,
@@ -77,7 +81,6 @@ import errno
 import io
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -96,7 +99,6 @@ from mixquant.model.layout import (
     SAFETENSORS_METADATA,
     assign_shards,
     layer_of,
-    mlp_layer_types,
     natural_key,
     shard_file_name,
     shard_groups,
@@ -188,9 +190,6 @@ _TORCH_TO_ST = {
 if hasattr(torch, "float8_e8m0fnu"):
     _TORCH_TO_ST[torch.float8_e8m0fnu] = "F8_E8M0"
 
-_EXPERT_WEIGHT_RE = re.compile(
-    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
 _COPY_BUFFER_BYTES = 8 << 20
 _COPY_CHUNK_BYTES = 1 << 30  # per copy_file_range call
 # copy_file_range errors that mean "not supported here": fall back to pread/write.
@@ -425,7 +424,7 @@ def modelopt_hf_quant_config(
 ) -> dict[str, Any] | None:
     """The ``hf_quant_config.json`` content ModelOpt 0.47 exports for ``placement``; None if unquantized.
 
-    Computed by ModelOpt itself, without weights: ``LagunaForCausalLM`` is built on the meta device from
+    Computed by ModelOpt itself, without weights: the model's class is built on the meta device from
     ``config`` (the source config.json dict), ModelOpt's quantize mode is applied with the placement's
     ``quant_cfg`` (:func:`mixquant.quantize.reference.modelopt_placement_quant_cfg`, plus
     ``mtq.FP8_KV_CFG`` for ``kv_cache="fp8"``) -- the same module conversion ``mtq.quantize`` does,
@@ -440,13 +439,13 @@ def modelopt_hf_quant_config(
         revert_quant_config_names,
     )
     from modelopt.torch.export.quant_utils import get_quant_config
-    from transformers import LagunaConfig, LagunaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     with _quiet():
-        hf_config = LagunaConfig.from_dict(config)
+        hf_config = AutoConfig.for_model(**config)
         with torch.device("meta"):
-            model = LagunaForCausalLM(hf_config)
+            model = AutoModelForCausalLM.from_config(hf_config)
         model = mto.apply_mode(model, mode=[("quantize", _placement_quant_cfg(placement, kv_cache))])
         quant_config = get_quant_config(model)
         mapper = build_reverse_name_mapper(model)
@@ -767,12 +766,13 @@ def export_checkpoint(
         raise ExportInputError(f"{config_path}: corrupt model config (not a JSON object)")
     if "quantization_config" in config:
         raise ExportInputError(f"{config_path}: source already has a quantization_config (expected BF16)")
+    from mixquant.model.families import UnsupportedArchitecture, architecture
+
     try:
-        num_layers = int(config["num_hidden_layers"])
-        num_experts = int(config["num_experts"])
-        moe_layers = [i for i, t in enumerate(mlp_layer_types(config)) if t == "sparse"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ExportInputError(f"{config_path}: not a Laguna MoE config ({exc})") from exc
+        arch = architecture(config)
+    except (UnsupportedArchitecture, KeyError, TypeError, ValueError) as exc:
+        raise ExportInputError(f"{config_path}: not a supported MoE config ({exc})") from exc
+    num_layers, num_experts, moe_layers = arch.num_hidden_layers, arch.num_experts, list(arch.moe_layers)
     layers = _normalize_layer_dirs(layer_dirs, moe_layers, num_layers, config_path)
     placement = {layer: fmt for layer, (fmt, _) in layers.items()}
 
@@ -780,18 +780,18 @@ def export_checkpoint(
     source = _source_records(model_dir)
     experts: dict[int, list[str]] = {layer: [] for layer in moe_layers}
     for name in source:
-        match = _EXPERT_WEIGHT_RE.match(name)
-        if match:
-            layer = int(match.group(1))
-            if layer not in experts:
+        routed = arch.routed_expert_of(name)
+        if routed is not None and name.endswith(".weight"):
+            if routed[0] not in experts:
                 raise ExportInputError(f"{model_dir}: routed-expert tensor {name} in a non-MoE layer")
-            experts[layer].append(name)
-    records: dict[str, TensorRecord] = {n: r for n, r in source.items() if not _EXPERT_WEIGHT_RE.match(n)}
+            experts[routed[0]].append(name)
+    routed_weights = {name for names in experts.values() for name in names}
+    records: dict[str, TensorRecord] = {n: r for n, r in source.items() if n not in routed_weights}
     from_layers = 0
     for layer, (fmt, directory) in layers.items():
         weights = sorted(experts[layer], key=natural_key)
         want = [
-            f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+            arch.expert_weight(layer, e, proj)
             for e in range(num_experts)
             for proj in ("gate_proj", "up_proj", "down_proj")
         ]
@@ -819,6 +819,10 @@ def export_checkpoint(
 
     # -- configs (ModelOpt's own code), before writing anything
     hf_quant_config = modelopt_hf_quant_config(config, placement, kv_cache=kv_cache, producer=producer)
+    if hf_quant_config is not None and "quantized_layers" in hf_quant_config.get("quantization", {}):
+        # the keys vLLM resolves where a family's differ from ModelOpt's (mixquant.model.families)
+        quantization = hf_quant_config["quantization"]
+        quantization["quantized_layers"] = arch.vllm_quantized_layers(quantization["quantized_layers"])
     out_config = _sanitized_config(config)
     if hf_quant_config is not None:
         out_config["quantization_config"] = modelopt_quantization_config(hf_quant_config)

@@ -9,7 +9,7 @@ to bf16 -- and without the scale tensors (``weight_scale``, ``weight_scale_2``, 
 dequantized weight; KV-cache ``k_scale`` / ``v_scale``). Unquantized tensors are returned as stored (bf16
 for Laguna), bit for bit.
 
-:func:`load_dequantized_model` turns that into a ``LagunaForCausalLM`` through transformers' normal
+:func:`load_dequantized_model` turns that into the checkpoint's transformers model through its normal
 loading path: the state dict is written in upstream layout (``model.safetensors`` + config.json without
 ``quantization_config``) into a temporary directory and loaded with ``from_pretrained`` (which applies the
 "laguna" conversion mapping: per-expert weights fused into ``gate_up_proj`` / ``down_proj``, renames).
@@ -88,13 +88,13 @@ def load_dequantized_state_dict(
 def load_dequantized_model(
     export_dir: Path, *, dtype: torch.dtype = torch.bfloat16, **from_pretrained_kwargs
 ):
-    """``LagunaForCausalLM`` with the dequantized weights of ``export_dir`` (eval mode).
+    """The checkpoint's transformers model with the dequantized weights of ``export_dir`` (eval mode).
 
     config.json minus ``quantization_config``; weights from :func:`load_dequantized_state_dict`, loaded by
-    ``LagunaForCausalLM.from_pretrained(..., dtype=dtype, **from_pretrained_kwargs)`` from a temporary
+    ``AutoModelForCausalLM.from_pretrained(..., dtype=dtype, **from_pretrained_kwargs)`` from a temporary
     upstream-layout copy, so transformers' own conversion mapping builds the fused expert tensors.
     """
-    from transformers import LagunaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     export_dir = Path(export_dir)
     config = json.loads((export_dir / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -108,7 +108,7 @@ def load_dequantized_model(
         payload = {name: t.contiguous() for name, t in state_dict.items()}
         save_file(payload, str(tmp_dir / SINGLE_FILE), metadata=dict(SAFETENSORS_METADATA))
         del payload, state_dict
-        model = LagunaForCausalLM.from_pretrained(tmp_dir, dtype=dtype, **from_pretrained_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(tmp_dir, dtype=dtype, **from_pretrained_kwargs)
         # parameters may still be views of the (memory-mapped) temporary file: materialize them
         for param in model.parameters():
             if not param.data.is_contiguous() or param.data.untyped_storage().filename is not None:

@@ -66,13 +66,17 @@ QUANT_ALGO_FORMATS = {"W4A16_NVFP4": NVFP4, "NVFP4": NVFP4_W4A4, "FP8": FP8}
 FORMAT_QUANT_ALGOS = {fmt: algo for algo, fmt in QUANT_ALGO_FORMATS.items()}
 MAX_LISTED = 5  # examples shown per kind of disagreement
 
+# Routed-expert tensors in the two disk layouts of mixquant.model.families: qwen2_moe-style
+# ``mlp.experts.E.{gate,up,down}_proj`` and Mixtral-style ``block_sparse_moe.experts.E.{w1,w3,w2}``.
 _ROUTED_RE = re.compile(
-    r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$"
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r"\.(\w+)$"
 )
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _KV_RE = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\.(?:(k)_proj\.k_scale|(v)_proj\.v_scale|(k)_scale|(v)_scale)$"
 )
-_EXPERTS_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
+_EXPERTS_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -135,6 +139,21 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         out *= int(d)
     return out
+
+
+def _architecture(config: Mapping[str, Any] | None, problems: list[str]):
+    """The family architecture of the export's config.json (None without one or for an unknown type)."""
+    if not config or not isinstance(config.get("model_type"), str):
+        return None
+    from mixquant.model.families import UnsupportedArchitecture, architecture
+
+    try:
+        return architecture(config)
+    except UnsupportedArchitecture as exc:
+        problems.append(f"config.json: {exc}")
+    except (TypeError, ValueError, KeyError) as exc:
+        problems.append(f"config.json: not a model config transformers can build ({exc})")
+    return None
 
 
 def classify_projection(tensors: Mapping[str, Mapping[str, Any]]) -> tuple[str, int, str | None]:
@@ -244,6 +263,12 @@ def _check_index(
     }
 
 
+def _experts_modules(layer: int) -> tuple[str, ...]:
+    """The names a quant config gives layer ``layer``'s routed experts: ``mlp.experts`` (in memory, and
+    on disk for the qwen2_moe-style families) or Mixtral's disk name ``block_sparse_moe.experts``."""
+    return (f"model.layers.{layer}.mlp.experts", f"model.layers.{layer}.block_sparse_moe.experts")
+
+
 def _expected_from_quant_config(
     quant: Mapping[str, Any], moe_layers: list[int], disagreements: list[str]
 ) -> dict[int, str] | None:
@@ -253,7 +278,7 @@ def _expected_from_quant_config(
         layers = quant.get("quantized_layers") or {}
         out = {}
         for layer in moe_layers:
-            entry = layers.get(f"model.layers.{layer}.mlp.experts")
+            entry = next((layers[k] for k in _experts_modules(layer) if k in layers), None)
             if entry is None:
                 out[layer] = BF16
                 continue
@@ -275,8 +300,8 @@ def _expected_from_quant_config(
     excludes = quant.get("exclude_modules") or []
 
     def excluded(layer: int) -> bool:
-        module = f"model.layers.{layer}.mlp.experts"
-        return any(fnmatch.fnmatchcase(m, p) for p in excludes for m in (module, f"{module}.0.gate_proj"))
+        modules = [m for module in _experts_modules(layer) for m in (module, f"{module}.0.gate_proj")]
+        return any(fnmatch.fnmatchcase(m, p) for p in excludes for m in modules)
 
     return {layer: BF16 if excluded(layer) else fmt for layer in moe_layers}
 
@@ -429,7 +454,8 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
             if (m := _LAYER_RE.match(name)) is not None:
                 max_layer = max(max_layer, int(m.group(1)))
             if (m := _ROUTED_RE.match(name)) is not None:
-                projections[(int(m.group(2)), int(m.group(3)), m.group(4))][m.group(5)] = {
+                proj = _MIXTRAL_PROJECTIONS.get(m.group(3), m.group(3))
+                projections[(int(m.group(1)), int(m.group(2)), proj)][m.group(4)] = {
                     **info,
                     "nbytes": nbytes,
                 }
@@ -480,15 +506,15 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     if incomplete:
         problems.append(f"experts missing a projection (layer.expert): {_examples(incomplete)}")
     expert_counts = {layer: len(ids) for layer, ids in sorted(experts.items())}
-    if config is not None and config.get("num_experts") is not None:
-        wrong = {layer: n for layer, n in expert_counts.items() if n != int(config["num_experts"])}
+    arch = _architecture(config, problems)
+    if arch is not None:
+        wrong = {layer: n for layer, n in expert_counts.items() if n != arch.num_experts}
         if wrong:
-            problems.append(f"config.json num_experts {config['num_experts']}, but layers have {wrong}")
-    if config is not None and config.get("mlp_layer_types"):
-        sparse = [i for i, t in enumerate(config["mlp_layer_types"]) if t == "sparse"]
-        if sparse != sorted(layer_formats):
+            problems.append(f"config.json: {arch.num_experts} experts per MoE layer, but layers have {wrong}")
+        if list(arch.moe_layers) != sorted(layer_formats):
             problems.append(
-                f"config.json sparse layers {sparse} != layers with routed experts {sorted(layer_formats)}"
+                f"config.json MoE layers {list(arch.moe_layers)} != layers with routed experts "
+                f"{sorted(layer_formats)}"
             )
 
     total_numel = sum(sum(c.values()) for c in layer_numel.values())

@@ -140,25 +140,26 @@ class TensorEntry:
 # ----------------------------------------------------------------------------------------- config
 
 
-def _cfg(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = config.get(key, default)
-    return default if value is None else value
+_TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def _mlp_layer_types(config: Mapping[str, Any]) -> list[str]:
-    layers = int(config["num_hidden_layers"])
-    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-    if len(types) != layers:
-        raise ValueError(f"config.json: mlp_layer_types has {len(types)} entries for {layers} layers")
-    for layer, kind in enumerate(types):
-        if kind not in ("dense", "sparse"):
-            raise ValueError(f"config.json: layer {layer}: unknown mlp type {kind!r}")
-    return list(types)
+def _architecture(model_config: Mapping[str, Any]):
+    """The model's architecture (mixquant.model.families), its family's transformers class on the meta
+    device: names and shapes as the checkpoint holds them. A config.json without its model_type is read
+    as Laguna's (the layout this module first described)."""
+    from mixquant.model.families import architecture
+
+    config = dict(model_config)
+    config.setdefault("model_type", "laguna")
+    try:
+        return architecture(config)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"config.json: not a model config transformers can build ({exc})") from exc
 
 
 def moe_layers(model_config: Mapping[str, Any]) -> list[int]:
-    """Indices of the layers with routed experts (``mlp_layer_types == "sparse"``)."""
-    return [layer for layer, kind in enumerate(_mlp_layer_types(model_config)) if kind == "sparse"]
+    """Indices of the layers with routed experts (as the model's class builds them)."""
+    return list(_architecture(model_config).moe_layers)
 
 
 def _checkpoint_dtype(config: Mapping[str, Any]) -> str:
@@ -170,77 +171,24 @@ def _checkpoint_dtype(config: Mapping[str, Any]) -> str:
     return _CONFIG_DTYPES[name]
 
 
-def _heads_per_layer(config: Mapping[str, Any]) -> list[int]:
-    layers = int(config["num_hidden_layers"])
-    heads = config.get("num_attention_heads_per_layer") or [int(config["num_attention_heads"])] * layers
-    if len(heads) != layers:
-        raise ValueError(
-            f"config.json: num_attention_heads_per_layer has {len(heads)} entries for {layers} layers"
-        )
-    return [int(h) for h in heads]
+def non_expert_tensors(
+    model_config: Mapping[str, Any], source_dtypes: Mapping[str, str] | None = None
+) -> list[TensorEntry]:
+    """Every tensor outside the routed experts, with names, shapes and dtypes as the model's transformers
+    class and its reverse conversion (what ``save_pretrained`` writes) define them.
 
-
-def non_expert_tensors(model_config: Mapping[str, Any]) -> list[TensorEntry]:
-    """Every tensor outside the routed experts, with shapes as ``LagunaForCausalLM`` defines them."""
-    cfg = model_config
-    dtype = _checkpoint_dtype(cfg)
-    hidden = int(cfg["hidden_size"])
-    vocab = int(cfg["vocab_size"])
-    head_dim = int(_cfg(cfg, "head_dim", hidden // int(cfg["num_attention_heads"])))
-    kv_heads = int(cfg["num_key_value_heads"])
-    num_experts = int(_cfg(cfg, "num_experts", 0))
-    gating = _cfg(cfg, "gating", True)
-    gate_per_head = gating is True or gating == "per-head"  # LagunaAttention.g_proj
-    bias = bool(_cfg(cfg, "attention_bias", False))
-
-    def entry(name: str, *shape: int) -> TensorEntry:
-        return TensorEntry(name, dtype, tuple(int(d) for d in shape), "non_expert")
-
-    out = [entry("model.embed_tokens.weight", vocab, hidden)]
-    heads = _heads_per_layer(cfg)
-    for layer, kind in enumerate(_mlp_layer_types(cfg)):
-        p = f"model.layers.{layer}"
-        q_out, kv_out = heads[layer] * head_dim, kv_heads * head_dim
-        out += [
-            entry(f"{p}.input_layernorm.weight", hidden),
-            entry(f"{p}.post_attention_layernorm.weight", hidden),
-        ]
-        out += [
-            entry(f"{p}.self_attn.q_proj.weight", q_out, hidden),
-            entry(f"{p}.self_attn.k_proj.weight", kv_out, hidden),
-            entry(f"{p}.self_attn.v_proj.weight", kv_out, hidden),
-            entry(f"{p}.self_attn.o_proj.weight", hidden, q_out),
-            entry(f"{p}.self_attn.g_proj.weight", heads[layer] if gate_per_head else q_out, hidden),
-            entry(f"{p}.self_attn.q_norm.weight", head_dim),
-            entry(f"{p}.self_attn.k_norm.weight", head_dim),
-        ]
-        if bias:
-            out += [
-                entry(f"{p}.self_attn.q_proj.bias", q_out),
-                entry(f"{p}.self_attn.k_proj.bias", kv_out),
-                entry(f"{p}.self_attn.v_proj.bias", kv_out),
-                entry(f"{p}.self_attn.o_proj.bias", hidden),
-            ]
-        if kind == "dense":
-            inter = int(cfg["intermediate_size"])
-            out += [
-                entry(f"{p}.mlp.gate_proj.weight", inter, hidden),
-                entry(f"{p}.mlp.up_proj.weight", inter, hidden),
-                entry(f"{p}.mlp.down_proj.weight", hidden, inter),
-            ]
-        else:
-            shared = int(cfg["shared_expert_intermediate_size"])
-            out += [
-                entry(f"{p}.mlp.gate.weight", num_experts, hidden),
-                entry(f"{p}.mlp.experts.e_score_correction_bias", num_experts),
-                entry(f"{p}.mlp.shared_expert.gate_proj.weight", shared, hidden),
-                entry(f"{p}.mlp.shared_expert.up_proj.weight", shared, hidden),
-                entry(f"{p}.mlp.shared_expert.down_proj.weight", hidden, shared),
-            ]
-    out.append(entry("model.norm.weight", hidden))
-    if not _cfg(cfg, "tie_word_embeddings", False):
-        out.append(entry("lm_head.weight", vocab, hidden))
-    return out
+    The export copies these tensors from the source as they are, and publishers do not always write them in
+    the dtype transformers' class holds them in (DeepSeek-V3 ships its routers' weights in BF16, which
+    ``DeepseekV3TopkRouter`` holds in float32): ``source_dtypes`` (tensor name -> safetensors dtype, from
+    the source's shard headers) overrides the class's dtype where the source is known."""
+    arch = _architecture(model_config)
+    _checkpoint_dtype(model_config)  # one line for an unsupported checkpoint dtype
+    source_dtypes = source_dtypes or {}
+    entries = []
+    for name, (shape, dtype) in arch.non_expert_tensors().items():
+        on_disk = source_dtypes.get(name) or _TORCH_DTYPES.get(dtype, dtype.upper())
+        entries.append(TensorEntry(name, on_disk, shape, "non_expert"))
+    return entries
 
 
 def routed_projection_tensors(
@@ -273,8 +221,8 @@ def routed_projection_tensors(
 
 
 def _routed_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-    hidden, inter = int(config["hidden_size"]), int(config["moe_intermediate_size"])
-    return {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    arch = _architecture(config)
+    return {proj: tuple(arch.expert_shape(proj)) for proj in PROJECTIONS}
 
 
 def kv_scale_tensors(model_config: Mapping[str, Any], kv_cache_quant: str | None) -> list[TensorEntry]:
@@ -283,7 +231,7 @@ def kv_scale_tensors(model_config: Mapping[str, Any], kv_cache_quant: str | None
         return []
     return [
         TensorEntry(f"model.layers.{layer}.{name}", "F32", (), "kv_scales")
-        for layer in range(int(model_config["num_hidden_layers"]))
+        for layer in range(_architecture(model_config).num_hidden_layers)
         for name in KV_SCALE_NAMES
     ]
 
@@ -419,19 +367,24 @@ def resolve_placement(
 
 
 def checkpoint_tensors(
-    model_config: Mapping[str, Any], layer_formats: Mapping[int, str], *, kv_cache_quant: str | None
+    model_config: Mapping[str, Any],
+    layer_formats: Mapping[int, str],
+    *,
+    kv_cache_quant: str | None,
+    source_dtypes: Mapping[str, str] | None = None,
 ) -> list[TensorEntry]:
-    """Every tensor of the export: non-expert, routed (per ``layer_formats``; MoE layers absent -> BF16),
-    KV scales. Names are the hub names ModelOpt writes."""
-    num_experts = int(model_config["num_experts"])
+    """Every tensor of the export: non-expert (dtypes: :func:`non_expert_tensors`), routed (per
+    ``layer_formats``; MoE layers absent -> BF16), KV scales. Names are the hub names ModelOpt writes."""
+    arch = _architecture(model_config)
     shapes = _routed_shapes(model_config)
-    entries = non_expert_tensors(model_config)
-    for layer in moe_layers(model_config):
+    entries = non_expert_tensors(model_config, source_dtypes)
+    for layer in arch.moe_layers:
         fmt = layer_formats.get(layer, BF16)
-        for expert in range(num_experts):
+        for expert in range(arch.num_experts):
             for proj in PROJECTIONS:
-                prefix = f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
-                entries += routed_projection_tensors(prefix, *shapes[proj], fmt)
+                entries += routed_projection_tensors(
+                    arch.expert_prefix(layer, expert, proj), *shapes[proj], fmt
+                )
     return entries + kv_scale_tensors(model_config, kv_cache_quant)
 
 
@@ -466,8 +419,10 @@ def predict_structure(
     placement: Mapping[int, str] | None = None,
     *,
     kv_cache_quant: str | None = "FP8",
+    source_dtypes: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Tensor counts, payload bytes and effective routed bits of the export, from config.json alone.
+    """Tensor counts, payload bytes and effective routed bits of the export, from config.json alone (and
+    the source's non-expert dtypes where given: :func:`non_expert_tensors`).
 
     ``model_config`` is config.json's dict; give ``placement_counts`` (format -> number of MoE layers),
     ``placement`` (MoE layer -> format; absent MoE layers BF16) or both (they must agree).
@@ -482,10 +437,11 @@ def predict_structure(
     """
     kv = _normalise_kv(kv_cache_quant)
     formats, explicit = resolve_placement(model_config, placement_counts, placement)
-    entries = checkpoint_tensors(model_config, formats, kv_cache_quant=kv)
+    entries = checkpoint_tensors(model_config, formats, kv_cache_quant=kv, source_dtypes=source_dtypes)
     tensors, nbytes = _tally(entries)
     shapes = _routed_shapes(model_config)
-    num_experts = int(model_config["num_experts"])
+    arch = _architecture(model_config)
+    num_experts = arch.num_experts
     layer_numel = {layer: num_experts * sum(n * k for n, k in shapes.values()) for layer in formats}
     per_projection = {
         fmt: {
@@ -498,12 +454,12 @@ def predict_structure(
     non_expert_params = sum(math.prod(e.shape) for e in entries if e.category == "non_expert")
     return {
         "model": {
-            "model_type": model_config.get("model_type"),
-            "num_hidden_layers": int(model_config["num_hidden_layers"]),
+            "model_type": arch.model_type,
+            "num_hidden_layers": arch.num_hidden_layers,
             "moe_layers": sorted(formats),
             "num_experts": num_experts,
             "hidden_size": int(model_config["hidden_size"]),
-            "moe_intermediate_size": int(model_config["moe_intermediate_size"]),
+            "moe_intermediate_size": shapes["gate_proj"][0],
             "dtype": _checkpoint_dtype(model_config),
         },
         "kv_cache_quant": kv,

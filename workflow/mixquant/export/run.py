@@ -17,10 +17,17 @@ AUDIT_FILE = "checkpoint_audit.json"
 
 
 def checkpoint_audit(
-    export_dir: Path, placement: dict[int, str], kv_cache: str | None, producer: dict
+    export_dir: Path,
+    placement: dict[int, str],
+    kv_cache: str | None,
+    producer: dict,
+    source_dir: Path | None = None,
 ) -> dict:
     """The audit shipped with the export: what the files hold, what config.json predicts, and whether
-    the two agree (tensor counts, payload bytes, effective routed bits, per-layer formats)."""
+    the two agree (tensor counts, payload bytes, effective routed bits, per-layer formats). With
+    ``source_dir`` the prediction takes the non-expert tensors' dtypes from the source's shard headers
+    (the export copies them as published)."""
+    from mixquant.checkpoint.shards import ShardReader
     from mixquant.export.inspect import inspect_checkpoint
     from mixquant.export.predict import predict_structure
 
@@ -28,7 +35,13 @@ def checkpoint_audit(
     # and a random suffix would make the file differ between two runs of the same key).
     inspection = {**inspect_checkpoint(export_dir), "directory": "."}
     config = json.loads((export_dir / "config.json").read_text("utf-8"))
-    predicted = predict_structure(config, placement=placement, kv_cache_quant="FP8" if kv_cache else None)
+    source_dtypes = None
+    if source_dir is not None:
+        reader = ShardReader(source_dir)
+        source_dtypes = {name: reader.spec(name)["dtype"] for name in reader.names}
+    predicted = predict_structure(
+        config, placement=placement, kv_cache_quant="FP8" if kv_cache else None, source_dtypes=source_dtypes
+    )
     agreement = {
         "tensors": inspection["tensors"]["total"] == predicted["tensors"]["total"],
         "payload_bytes": inspection["payload_bytes"] == predicted["payload_bytes"],
@@ -103,7 +116,7 @@ def run_export_checkpoint(
             kv_amax=kv_amax,
             producer=settings["producer"],
         )
-        audit = checkpoint_audit(tmp, placement, export["kv_cache_quant"], settings["producer"])
+        audit = checkpoint_audit(tmp, placement, export["kv_cache_quant"], settings["producer"], model_dir)
         if not all(audit["agreement"].values()):
             raise RuntimeError(f"checkpoint audit disagrees with the prediction: {audit['agreement']}")
         (tmp / AUDIT_FILE).write_text(

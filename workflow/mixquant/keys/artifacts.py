@@ -123,6 +123,23 @@ def _model_artifact(graph: _Graph) -> None:
     else:
         assert model.local is not None
         _fetch_artifact(graph, "model", None, model.local.path, False, pin=model.local.sha256)
+    if model.source != "toy" and (block := source_fp8_block(graph.cfg)) is not None:
+        # the checkpoint the publisher ships is block-FP8: the BF16 source is its dequantization
+        graph.artifacts["source_model"] = graph.artifacts.pop("model")
+        settings = {"block_size": list(block)}
+        graph.add("model", "dequantize_source", settings, settings, {"source": "source_model"})
+
+
+def source_fp8_block(cfg: MixquantConfig) -> tuple[int, int] | None:
+    """The FP8 block size of a source published block-FP8 (its config.json's quantization_config, from
+    model.geometry or the local directory), None for a BF16 source."""
+    from mixquant.checkpoint.fp8_source import block_size, is_block_fp8
+    from mixquant.planning import planning_model_config
+
+    config = planning_model_config(cfg, "config")
+    if not config or not is_block_fp8(config):
+        return None
+    return block_size(config)
 
 
 def _fetch_artifact(

@@ -56,6 +56,8 @@ STAGES: dict[str, StageSpec] = {
         ),
         # Downloads and content hashes: no numerics, so no package decides the result.
         StageSpec("fetch_model", ("mixquant.model.fetch",), ()),
+        # A block-FP8 source made BF16 by the publisher's dequantization.
+        StageSpec("dequantize_source", ("mixquant.checkpoint.fp8_source",), ("torch", "safetensors")),
         StageSpec(
             "sample_calibration",
             ("mixquant.calibration.sample", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),

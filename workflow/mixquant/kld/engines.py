@@ -3,7 +3,7 @@
 One interface (:class:`Engine`), two implementations, each built fresh by :func:`open_engine`:
 
 ``hf`` (:class:`HfEngine`)
-    transformers' ``LagunaForCausalLM`` in bf16 (eager experts, sdpa attention), one forward of the whole
+    the checkpoint's transformers model in bf16 (eager experts, sdpa attention), one forward of the whole
     prompt (``use_cache=False``, inference mode). A BF16 upstream checkpoint is loaded as is. A ModelOpt
     export is loaded with :func:`mixquant.export.dequant.load_dequantized_model` (NVFP4 / FP8 weights
     dequantized to bf16: NVFP4 W4A16 needs nothing more) and every layer whose routed experts are FP8 W8A8
@@ -83,8 +83,11 @@ MODELOPT_QUANT_ALGOS = ("MIXED_PRECISION", "W4A16_NVFP4", "FP8", None)
 MODELOPT_KV_ALGOS = ("FP8", None)
 INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
-_EXPERTS = "model.layers.{layer}.mlp.experts"
-_ROUTED_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.\w+$")
+# routed-expert tensors in both disk layouts (mixquant.model.families): mlp.experts.E.{gate,up,down}_proj
+# and Mixtral's block_sparse_moe.experts.E.{w1,w3,w2}
+_ROUTED_RE = re.compile(
+    r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.\w+$"
+)
 _KV_SCALE_NAMES = {
     "k": ("model.layers.{layer}.self_attn.k_proj.k_scale", "model.layers.{layer}.self_attn.k_scale"),
     "v": ("model.layers.{layer}.self_attn.v_proj.v_scale", "model.layers.{layer}.self_attn.v_scale"),
@@ -300,14 +303,15 @@ def _read_tensors(model_dir: Path, names: Sequence[str], who: str) -> dict[str, 
     return out
 
 
-def _fp8_input_amax(model_dir: Path, layer: int, num_experts: int, who: str) -> dict[str, torch.Tensor]:
+def _fp8_input_amax(model_dir: Path, layer: int, who: str) -> dict[str, torch.Tensor]:
     """The layer-shared static input amax of an FP8 layer's gate/up and down projections (exported
     ``input_scale``; checked identical across experts, and between gate and up)."""
+    from mixquant.model.families import architecture
     from mixquant.search.score import _amax_from_input_scale
 
-    prefix = _EXPERTS.format(layer=layer)
+    arch = architecture(model_dir)
     names = {
-        proj: [f"{prefix}.{e}.{proj}.input_scale" for e in range(num_experts)]
+        proj: [f"{arch.expert_prefix(layer, e, proj)}.input_scale" for e in range(arch.num_experts)]
         for proj in ("gate_proj", "up_proj", "down_proj")
     }
     tensors = _read_tensors(model_dir, [n for group in names.values() for n in group], who)
@@ -372,7 +376,7 @@ def fp8_kv_fake_quant(
 
 
 class HfEngine:
-    """transformers ``LagunaForCausalLM`` (bf16, eager experts, sdpa) with the candidate's quantization
+    """The checkpoint's transformers model (bf16, eager experts, sdpa) with the candidate's quantization
     reproduced: dequantized weights, FP8 W8A8 expert inputs fake-quantized at the exported static scale.
 
     Layer-streamed (:class:`mixquant.model.streaming.StreamedModel`): a decoder layer at a time is read,
@@ -409,9 +413,8 @@ class HfEngine:
         self.model = self.stream.model
         layer_formats = {int(k): v for k, v in self.checkpoint["layer_formats"].items()}
         self.fp8_layers = sorted(layer for layer, fmt in layer_formats.items() if fmt == "fp8")
-        num_experts = int(getattr(self.model.config, "num_experts", 0) or 0)
         self._fp8_amax = {
-            layer: _fp8_input_amax(self.model_dir, layer, num_experts, self.who) for layer in self.fp8_layers
+            layer: _fp8_input_amax(self.model_dir, layer, self.who) for layer in self.fp8_layers
         }
         self._kv_static = self._kv_static_amax() if self._kv_fp8 and self._kv_mode == "checkpoint" else None
 

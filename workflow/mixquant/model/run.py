@@ -84,3 +84,18 @@ def run_fetch_model(out_dir: str | Path, *, settings: dict[str, Any], preimage: 
             if record["files"] != expected:
                 raise ValueError(f"{settings['path']}: content changed since planning; rerun to re-plan")
     return Path(out_dir)
+
+
+def run_dequantize_source(
+    out_dir: str | Path, *, source: str | Path, settings: dict[str, Any], preimage: dict[str, Any]
+) -> Path:
+    """The BF16 source of a block-FP8 checkpoint: the publisher's dequantization, a shard at a time."""
+    from mixquant.checkpoint.fp8_source import dequantize_checkpoint
+    from mixquant.model.fetch import resolve_model_dir
+
+    src = resolve_model_dir(source)
+    summary: dict[str, Any] = {}
+    with publish_keyed_dir(out_dir, preimage, summary) as tmp:  # the keyed directory is the checkpoint
+        result = dequantize_checkpoint(src, tmp, progress=True)
+        summary.update({k: v for k, v in result.items() if k in ("tensors_dequantized", "block_size")})
+    return Path(out_dir)

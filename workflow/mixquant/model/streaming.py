@@ -187,8 +187,9 @@ class StreamedModel:
         self._pending: dict[int, Future] = {}
         self._attach(self.reader.non_layer_names(), what="embeddings, final norm, lm_head")
         rotary = getattr(model.model, "rotary_emb", None)
-        if rotary is not None:  # non-persistent buffers: computed by the model's own module, on the device
-            model.model.rotary_emb = type(rotary)(config=self.config, device=self.device)
+        if rotary is not None:  # non-persistent buffers: computed by the model's own module (on the CPU,
+            # as from_pretrained does), then moved
+            model.model.rotary_emb = type(rotary)(config=self.config).to(self.device)
         stray = [
             name
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]

@@ -2,8 +2,9 @@
 
 A streaming per-layer quantizer needs the activation ranges that ModelOpt's calibration would have seen,
 without running ModelOpt on the whole model. :func:`collect_activation_stats` runs the *unquantized*
-``LagunaForCausalLM`` (bf16, eval, no grad) over the calibration token ids, ``batch_size`` sequences per
-forward with no attention mask and ``use_cache=False`` -- exactly the forward loop of
+MoE model (``AutoModelForCausalLM``: any family of :mod:`mixquant.model.families`; bf16, eval, no
+grad) over the calibration token ids, ``batch_size`` sequences per forward with no attention mask and
+``use_cache=False`` -- exactly the forward loop of
 :func:`mixquant.quantize.reference.modelopt_reference_export` -- and records, through hooks:
 
 Routed experts, every MoE layer ``L`` (module ``model.layers.L.mlp.experts``)
@@ -256,7 +257,7 @@ def collect_activation_stats(
 ) -> dict:
     """Activation amaxes of the BF16 model in ``model_dir`` over ``calibration_ids`` ([N, T] token ids).
 
-    The forward of ``LagunaForCausalLM`` (bf16, eval, no grad, eager experts, ``attn_implementation``) on
+    The forward of the model (bf16, eval, no grad, eager experts, ``attn_implementation``) on
     ``batch_size`` sequences at a time, no attention mask, ``use_cache=False``. Streamed (the default,
     :class:`mixquant.model.streaming.StreamedModel`): layer-major, each decoder layer read once and every
     batch run through it before the next is loaded, so memory holds about two layers plus the
@@ -299,7 +300,11 @@ def collect_activation_stats(
         if config._experts_implementation != "eager":
             raise RuntimeError(f"experts implementation is {config._experts_implementation!r}, need 'eager'")
         layers = model.model.layers
-        moe = [i for i, t in enumerate(config.mlp_layer_types) if t == "sparse"]
+        moe = [
+            i
+            for i, layer in enumerate(layers)
+            if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj")
+        ]
         recorders = {i: _ExpertRecorder(i, layers[i].mlp.experts, device) for i in moe}
         k_amax: dict[int, torch.Tensor] = {}
         v_amax: dict[int, torch.Tensor] = {}
@@ -341,7 +346,7 @@ def collect_activation_stats(
         "num_batches": str(len(batches)),
         "num_hidden_layers": str(len(layers)),
         "moe_layers": json.dumps(moe),
-        "num_experts": str(int(config.num_experts)),
+        "num_experts": str(int(layers[moe[0]].mlp.experts.num_experts)),
         "num_experts_per_tok": str(int(config.num_experts_per_tok)),
         "dtype": "bfloat16",
         "experts_implementation": str(config._experts_implementation),

@@ -101,13 +101,16 @@ _MSE_CHUNK_BLOCKS = 1 << 16  # NVFP4 multiplier MSE: blocks per ModelOpt calibra
 QuantizeInputError = CheckpointError
 
 
+# The qwen2_moe-style expert names (Laguna, Qwen3-MoE, DeepSeek-V3, GLM): what a checkpoint directory
+# without a config.json naming its model_type is read with; otherwise the family's own names
+# (mixquant.model.families.Architecture.expert_weight).
+_DEFAULT_TEMPLATES = {p: f"model.layers.{{layer}}.mlp.experts.{{expert}}.{p}.weight" for p in PROJECTIONS}
+
+
 def expert_weight_name(layer: int, expert: int, proj: str) -> str:
-    """Upstream name of one routed-expert weight: ``model.layers.L.mlp.experts.E.{proj}.weight``."""
-    return f"model.layers.{int(layer)}.mlp.experts.{int(expert)}.{proj}.weight"
-
-
-def _expert_prefix(layer: int, expert: int, proj: str) -> str:
-    return f"model.layers.{int(layer)}.mlp.experts.{int(expert)}.{proj}"
+    """Upstream name of one routed-expert weight in the qwen2_moe-style layout (Laguna's):
+    ``model.layers.L.mlp.experts.E.{proj}.weight``."""
+    return _DEFAULT_TEMPLATES[proj].format(layer=int(layer), expert=int(expert))
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -148,8 +151,8 @@ class _LayerSource:
         if not self.model_dir.is_dir():
             raise QuantizeInputError(f"{self.model_dir}: checkpoint directory does not exist")
         weight_map, where = self._weight_map()
-        self.num_experts = self._num_experts(weight_map, where)
-        names = [expert_weight_name(self.layer, e, p) for e in range(self.num_experts) for p in PROJECTIONS]
+        self.templates, self.num_experts = self._layout(weight_map, where)
+        names = [self.name(e, p) for e in range(self.num_experts) for p in PROJECTIONS]
         missing = [n for n in names if n not in weight_map]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -181,10 +184,39 @@ class _LayerSource:
             return dict.fromkeys(read_safetensors_header(single), SINGLE_FILE), single
         raise QuantizeInputError(f"{self.model_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
-    def _num_experts(self, weight_map: Mapping[str, str], where: Path) -> int:
+    def name(self, expert: int, proj: str) -> str:
+        """The disk name of expert ``expert``'s ``proj`` weight in this checkpoint."""
+        return self.templates[proj].format(layer=self.layer, expert=int(expert))
+
+    def prefix(self, expert: int, proj: str) -> str:
+        return self.name(expert, proj).removesuffix(".weight")
+
+    def _layout(self, weight_map: Mapping[str, str], where: Path) -> tuple[dict[str, str], int]:
+        """(expert name templates, expert count): the family's, from a config.json naming its model_type;
+        else the qwen2_moe-style names and the count from config.json or the index."""
         config_path = self.model_dir / CONFIG_FILE
-        if config_path.exists():
-            config = _load_json(config_path, "model config")
+        config = _load_json(config_path, "model config") if config_path.exists() else None
+        if isinstance(config, dict) and isinstance(config.get("model_type"), str):
+            from mixquant.model.families import UnsupportedArchitecture, architecture
+
+            try:
+                arch = architecture(config)
+            except UnsupportedArchitecture as exc:
+                raise QuantizeInputError(f"{config_path}: {exc}") from exc
+            if not 0 <= self.layer < arch.num_hidden_layers:
+                raise QuantizeInputError(
+                    f"layer {self.layer}: out of range, {config_path} has {arch.num_hidden_layers} layers"
+                )
+            if not arch.is_moe_layer(self.layer):
+                raise QuantizeInputError(
+                    f"layer {self.layer}: is a dense layer (no routed experts) per {config_path}"
+                )
+            return dict(arch.expert_templates), arch.num_experts
+        return dict(_DEFAULT_TEMPLATES), self._num_experts(config, weight_map, where)
+
+    def _num_experts(self, config: Any, weight_map: Mapping[str, str], where: Path) -> int:
+        config_path = self.model_dir / CONFIG_FILE
+        if config is not None:
             if isinstance(config, dict) and config.get("num_experts") is not None:
                 if config.get("num_hidden_layers") is not None:
                     layers = int(config["num_hidden_layers"])
@@ -212,8 +244,9 @@ class _LayerSource:
 
     def _check_specs(self) -> None:
         shapes: dict[str, tuple[int, ...]] = {}
+        proj_of = {self.name(e, p): p for e in range(self.num_experts) for p in PROJECTIONS}
         for name, (dtype, shape) in self.specs.items():
-            proj = name.rsplit(".", 2)[-2]
+            proj = proj_of[name]
             if dtype != "BF16":
                 raise QuantizeInputError(
                     f"layer {self.layer}: tensor {name} has dtype {dtype} in {self.files[name]}, "
@@ -272,7 +305,7 @@ class _LayerSource:
     def experts(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """``(expert, {proj: bf16 weight})`` one expert at a time."""
         for e in range(self.num_experts):
-            yield e, {p: self.get(expert_weight_name(self.layer, e, p)) for p in PROJECTIONS}
+            yield e, {p: self.get(self.name(e, p)) for p in PROJECTIONS}
 
 
 def read_layer_experts(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
@@ -481,19 +514,19 @@ def _relative(sq_err: float, sq_ref: float) -> float:
 
 
 def _quantize_expert(
-    layer: int,
-    expert: int,
+    prefixes: Mapping[str, str],
     weights: Mapping[str, torch.Tensor],
     fmt: str,
     params: Mapping[str, Any],
     input_scales: Mapping[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Exported tensors of one expert (natural name order)."""
+    """Exported tensors of one expert (natural name order); ``prefixes[proj]``: its disk names without
+    ``.weight`` (ModelOpt's export writes the checkpoint's own names back)."""
     out: dict[str, torch.Tensor] = {}
     gate, up, down = (weights[p] for p in PROJECTIONS)
     if fmt == BF16:
         for proj in PROJECTIONS:
-            out[f"{_expert_prefix(layer, expert, proj)}.weight"] = weights[proj]
+            out[f"{prefixes[proj]}.weight"] = weights[proj]
     elif fmt == NVFP4:
         # ModelOpt's NVFP4 numerics (a heavy import: only where NVFP4 is quantized)
         from mixquant.formats.nvfp4 import nvfp4_export_tensors, shared_global_amax
@@ -503,7 +536,7 @@ def _quantize_expert(
             w = weights[proj]
             g = shared_global_amax(w) if g is None else g
             packed, scale, scale_2 = nvfp4_export_tensors(w, nvfp4_block_amax(w, g, params["calibration"]), g)
-            p = _expert_prefix(layer, expert, proj)
+            p = prefixes[proj]
             out[f"{p}.weight"], out[f"{p}.weight_scale"], out[f"{p}.weight_scale_2"] = packed, scale, scale_2
     else:
         amax_fn = fp8_mse_weight_amax if params["weight_calibration"] == "mse" else fp8_max_amax
@@ -516,7 +549,7 @@ def _quantize_expert(
             ("down_proj", amax_fn(down), "down"),
         ):
             weight, scale = fp8_export_tensors(weights[proj], amax)
-            p = _expert_prefix(layer, expert, proj)
+            p = prefixes[proj]
             out[f"{p}.weight"], out[f"{p}.weight_scale"] = weight, scale
             out[f"{p}.input_scale"] = input_scales[key].clone()  # own storage per tensor (safetensors)
     return out
@@ -603,7 +636,7 @@ def quantize_layer(
             for proj in PROJECTIONS:
                 k = source.shapes[proj][-1]
                 if k % BLOCK_SIZE:
-                    name = expert_weight_name(layer, 0, proj)
+                    name = source.name(0, proj)
                     raise QuantizeInputError(
                         f"layer {layer}: tensor {name} (and every expert's {proj}) has input dim {k}, "
                         f"not a multiple of the NVFP4 block size {BLOCK_SIZE}"
@@ -619,10 +652,11 @@ def quantize_layer(
         input_scales = {key: scale.to(device) for key, scale in input_scales.items()}
         for e, weights in source.experts():
             weights = {proj: weight.to(device) for proj, weight in weights.items()}
-            exported = _quantize_expert(layer, e, weights, fmt, params, input_scales)
+            prefixes = {proj: source.prefix(e, proj) for proj in PROJECTIONS}
+            exported = _quantize_expert(prefixes, weights, fmt, params, input_scales)
             dequantized = dequantize_tensors(exported)
             for proj in PROJECTIONS:
-                base = _expert_prefix(layer, e, proj)
+                base = prefixes[proj]
                 entry, (sq_err, sq_ref, numel, rel) = _tensor_audit(
                     fmt, weights[proj], exported, base, dequantized[f"{base}.weight"]
                 )

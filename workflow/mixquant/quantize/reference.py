@@ -1,4 +1,5 @@
-"""ModelOpt *reference* quantization of a Laguna model to a per-layer placement of routed-expert formats.
+"""ModelOpt *reference* quantization of an MoE model (Laguna and the other families of
+mixquant.model.families) to a per-layer placement of routed-expert formats.
 
 This is the slow, whole-model path that a streaming per-layer implementation must reproduce bit for bit:
 load the BF16 model, ``mtq.quantize`` it with a placement-specific ``quant_cfg`` and a forward loop over
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +75,6 @@ _ALGORITHMS: dict[str, tuple[Any, dict[str, str]]] = {
     "mse": (_ALGO_MSE, {NVFP4: "mse", FP8: "mse"}),
     "fp8_sweep": (_ALGO_FP8_SWEEP, {NVFP4: "fp8_sweep", FP8: "max"}),
 }
-
-_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 
 
 @dataclass(frozen=True)
@@ -280,15 +278,14 @@ def _exported_tensor_names(out_dir: Path) -> list[str]:
     return sorted(names)
 
 
-def _group_names(names: list[str], placement: Mapping[int, str]) -> dict[str, list[str]]:
+def _group_names(names: list[str], placement: Mapping[int, str], arch: Any) -> dict[str, list[str]]:
     """Exported tensor names by the format of the routed-expert layer they belong to ("other" if none)."""
     groups: dict[str, list[str]] = {fmt: [] for fmt in FORMATS}
     groups["other"] = []
     for name in names:
-        match = _EXPERTS_RE.match(name)
-        fmt = placement.get(int(match.group(1)), BF16) if match else None
-        if match and not name.endswith("e_score_correction_bias"):
-            groups[fmt].append(name)
+        routed = arch.routed_expert_of(name)
+        if routed is not None:
+            groups[placement.get(routed[0], BF16)].append(name)
         else:
             groups["other"].append(name)
     return groups
@@ -304,9 +301,10 @@ def modelopt_reference_export(
     fp8_weight_algorithm: str = "mse",
     batch_size: int = 8,
 ) -> dict:
-    """Quantize the BF16 Laguna checkpoint in ``model_dir`` to ``placement`` with ModelOpt and export it.
+    """Quantize the BF16 MoE checkpoint in ``model_dir`` to ``placement`` with ModelOpt and export it.
 
-    Loads ``LagunaForCausalLM`` in bf16, runs ``mtq.quantize`` with :func:`modelopt_placement_quant_cfg`
+    Loads the checkpoint's transformers class (``AutoModelForCausalLM``, any supported family) in bf16,
+    runs ``mtq.quantize`` with :func:`modelopt_placement_quant_cfg`
     and a forward loop over ``calibration_ids`` (``[N, T]`` token ids, ``batch_size`` sequences per forward,
     no attention mask), runs the refine pass of :func:`modelopt_calibration_plan` if any, then
     ``export_hf_checkpoint(model, export_dir=out_dir)``. Layers absent from ``placement`` stay BF16.
@@ -318,9 +316,10 @@ def modelopt_reference_export(
     import modelopt.torch.quantization as mtq
     import transformers
     from modelopt.torch.export import export_hf_checkpoint
-    from transformers import LagunaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
+    from mixquant.model.families import architecture
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     placement = _validate_placement(placement)
@@ -331,9 +330,12 @@ def modelopt_reference_export(
 
     # ModelOpt forces eager experts anyway (force_eager_experts_impl_on_the_fly); the default on load
     # is grouped_mm, whose bf16 results differ, so ask for eager up front to make that explicit.
-    model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, experts_implementation="eager"
+    )
     model.eval()
-    sparse = [i for i, t in enumerate(model.config.mlp_layer_types) if t == "sparse"]
+    arch = architecture(model_dir)
+    sparse = list(arch.moe_layers)
     not_moe = sorted(set(placement) - set(sparse))
     if not_moe:
         raise ValueError(f"placement names layers without routed experts: {not_moe} (MoE layers: {sparse})")
@@ -365,7 +367,7 @@ def modelopt_reference_export(
         "quant_cfg": json.loads(json.dumps(quant_cfg)),
         "batch_size": batch_size,
         "calibration_shape": list(calibration_ids.shape),
-        "tensors": _group_names(names, placement),
+        "tensors": _group_names(names, placement, arch),
         "hf_quant_config": hf_quant_config,
         "files": sorted(p.name for p in out_dir.iterdir() if p.is_file()),
     }

@@ -7,11 +7,10 @@ equal the reference's up to layer ``L``'s attention; from there on they differ. 
 every branch that has already diverged are carried through the decoder layers together, one layer
 loaded at a time (:class:`mixquant.model.streaming.StreamedModel`):
 
-* at layer ``i``: the reference runs layer ``i`` and, when ``i`` is scored, the hooks record what its
-  routed experts do not change -- the residual after attention, the router's choice (the experts'
-  inputs) and the shared expert's output; each format's branch then starts from those:
-  ``residual + (experts_f(x, idx, w) * scaling + shared)``, the MoE block's own arithmetic
-  (``quantized_experts`` swaps the format's weights in and fake-quantizes FP8 inputs);
+* at layer ``i``: the reference runs layer ``i``; when ``i`` is scored, each format's branch runs layer
+  ``i`` from the same input with the format's routed experts swapped in (``quantized_experts`` also
+  fake-quantizes FP8 inputs) -- the model's own layer, so any family's router and shared experts behave
+  exactly as in a full forward;
 * every branch born before ``i`` runs layer ``i`` in full;
 * after the last layer: the final norm and lm_head of the reference and of each branch, and the KL sum
   of each micro-batch (ModelOpt's ``kl_div`` accumulation, :func:`mixquant.search.score.kl_sum`).
@@ -54,39 +53,6 @@ __all__ = ["PROGRESS_FILE", "branch_parallel_scores"]
 PROGRESS_FILE = "progress.json"
 
 QuantFor = Callable[[int, str, torch.nn.Module], LayerQuant]
-
-
-class _ScoredLayerRecorder:
-    """Hooks on one loaded MoE layer recording, per reference call, the residual after attention, the
-    routed experts' arguments and the shared expert's output (what its routed experts do not change)."""
-
-    def __init__(self, layer: torch.nn.Module):
-        mlp = layer.mlp
-        for part in ("experts", "gate", "shared_experts", "routed_scaling_factor"):
-            if not hasattr(mlp, part):
-                raise RuntimeError(f"MoE block {type(mlp).__name__} has no {part}: not a Laguna-style block")
-        self.residual: list[torch.Tensor] = []
-        self.experts_args: list[tuple] = []
-        self.shared: list[torch.Tensor] = []
-        self.handles = [
-            layer.post_attention_layernorm.register_forward_pre_hook(
-                lambda module, args: self.residual.append(args[0])
-            ),
-            mlp.experts.register_forward_pre_hook(lambda module, args: self.experts_args.append(args)),
-            mlp.shared_experts.register_forward_hook(lambda module, args, output: self.shared.append(output)),
-        ]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _branch_from(layer: torch.nn.Module, residual: torch.Tensor, args: tuple, shared: torch.Tensor):
-    """``residual + (experts(*args) * scaling + shared)``: the MoE block's output with the experts that are
-    swapped in now (LagunaSparseMoeBlock.forward with its router and shared expert outputs recorded)."""
-    mlp = layer.mlp
-    routed = mlp.experts(*args) * mlp.routed_scaling_factor
-    return residual + (routed + shared).reshape(residual.shape)
 
 
 def _expand(value: Any, copies: int, batch: int) -> Any:
@@ -238,22 +204,14 @@ def branch_parallel_scores(
             layer = stream.load_layer(i)
             kwargs = kwargs_of[i]
             if i in scored:
-                recorder = _ScoredLayerRecorder(layer)
-                try:
-                    ref = [layer(h, **kwargs[b]) for b, h in enumerate(ref)]
-                finally:
-                    recorder.remove()
-                for fmt in scored[i]:
+                ref_in = ref
+                ref = [layer(h, **kwargs[b]) for b, h in enumerate(ref_in)]
+                for fmt in scored[i]:  # each branch: this layer in full, its routed experts swapped
                     quant = quant_for(i, fmt, layer)
                     with quantized_experts(stream.model, quant):
-                        branches[(i, fmt)] = [
-                            _branch_from(
-                                layer, recorder.residual[b], recorder.experts_args[b], recorder.shared[b]
-                            )
-                            for b in range(len(ref))
-                        ]
+                        branches[(i, fmt)] = [layer(h, **kwargs[b]) for b, h in enumerate(ref_in)]
                     del quant
-                del recorder
+                del ref_in
                 stream.prefetch_layer(i + 1)  # only now: the quantized copy is freed (2 layers at most)
                 older = {k: v for k, v in branches.items() if k[0] < i}
                 _run_branches(layer, older, kwargs, stack)

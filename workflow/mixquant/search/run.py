@@ -56,6 +56,7 @@ def run_score_sensitivity(
 
     from mixquant.calibration.tokens import load_token_ids
     from mixquant.checkpoint.shards import ShardReader
+    from mixquant.model.families import architecture
     from mixquant.model.streaming import StreamedModel
     from mixquant.quantize.layer import LAYER_FILE
     from mixquant.quantize.run import activation_amax_for_layer, layer_result_dir
@@ -88,7 +89,7 @@ def run_score_sensitivity(
     def quant_for(layer: int, fmt: str, loaded: torch.nn.Module):
         if weights == "rebuild":
             tensors = load_file(str(layer_result_dir(windows[(layer, fmt)], layer) / LAYER_FILE))
-            return layer_quant_from_tensors(tensors, layer, fmt)
+            return layer_quant_from_tensors(tensors, layer, fmt, arch=arch)
         amax = activation_amax_for_layer(stats, layer) if fmt == "fp8" else None
         return modelopt_search_quant(stream.model, layer, fmt, amax)
 
@@ -97,6 +98,7 @@ def run_score_sensitivity(
     started = time.perf_counter()
     reader = ShardReader(resolve_model_dir(model))
     reader.check_all()  # a broken shard stops here with one line naming it
+    arch = architecture(reader.model_dir)
     with StreamedModel(reader.model_dir, device=device, reader=reader) as stream:
         sums = branch_parallel_scores(
             stream,
@@ -143,15 +145,17 @@ def run_score_sensitivity(
 
 
 def routed_group_size(model_config: dict[str, Any]) -> tuple[int, float]:
-    """(weights in one MoE layer's routed experts, active ratio top_k / num_experts) from config.json."""
+    """(weights in one MoE layer's routed experts, active ratio top_k / num_experts) from config.json, as
+    its family's architecture defines them (mixquant.model.families)."""
+    from mixquant.model.families import UnsupportedArchitecture, architecture
+
+    config = dict(model_config)
+    config.setdefault("model_type", "laguna")
     try:
-        experts = int(model_config["num_experts"])
-        hidden = int(model_config["hidden_size"])
-        inter = int(model_config["moe_intermediate_size"])
-        top_k = int(model_config["num_experts_per_tok"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PlacementSearchError(f"model config.json lacks the MoE geometry ({exc})") from exc
-    return experts * 3 * hidden * inter, top_k / experts
+        arch = architecture(config)
+    except (UnsupportedArchitecture, KeyError, TypeError, ValueError) as exc:
+        raise PlacementSearchError(f"model config.json: no MoE geometry ({exc})") from exc
+    return arch.routed_params_per_layer, arch.experts_per_token / arch.num_experts
 
 
 def _read_scores(paths: dict[str, Path]) -> list[dict[str, Any]]:

@@ -18,11 +18,11 @@ ModelOpt's own ``scaled_e4m3_impl`` at the layer-shared static amax, as ModelOpt
   rebuilds with MSE; this reproduces its scores.
 
 Work is reused: per batch, one BF16 forward records every decoder layer's input (hidden states and the
-layer's keyword arguments: masks, rotary embeddings, positions), the residual stream after each scored
-layer's attention, and the reference log-probabilities; the score of layer ``L`` then runs only layer
-``L``'s MLP, layers ``L+1..N-1``, the final norm and ``lm_head`` -- bit-identical to a full forward with
-only ``L`` quantized, since nothing before ``L``'s experts changes. Quantized weights are dequantized (or
-fake-quantized) once per group instead of on every forward, and ``exp(log p_ref)`` once per batch.
+layer's keyword arguments: masks, rotary embeddings, positions) and the reference log-probabilities; the
+score of layer ``L`` then runs only layers ``L..N-1``, the final norm and ``lm_head`` -- bit-identical to a
+full forward with only ``L`` quantized, since nothing before ``L``'s experts changes. Quantized weights are
+dequantized (or fake-quantized) once per group instead of on every forward, and ``exp(log p_ref)`` once
+per batch. This whole-model scorer is the reference of the layer-streamed one (:mod:`.branches`).
 """
 
 from __future__ import annotations
@@ -47,14 +47,13 @@ __all__ = [
     "sensitivity_scores",
 ]
 
-_EXPERTS = "model.layers.{layer}.mlp.experts"
-
 
 def load_search_model(model_dir: str | Path, *, device: str | torch.device = "cpu"):
-    """The BF16 source model as ModelOpt's search and the activation statistics run it (eager, sdpa)."""
-    from transformers import LagunaForCausalLM
+    """The whole BF16 source model as ModelOpt's search runs it (eager experts, sdpa): the reference the
+    streamed scorer (:mod:`mixquant.search.branches`) is tested against."""
+    from transformers import AutoModelForCausalLM
 
-    model = LagunaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         Path(model_dir), dtype=torch.bfloat16, experts_implementation="eager", attn_implementation="sdpa"
     )
     if model.config._experts_implementation != "eager":
@@ -83,29 +82,40 @@ def _amax_from_input_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def layer_quant_from_tensors(
-    tensors: Mapping[str, torch.Tensor], layer: int, fmt: str, *, dtype: torch.dtype = torch.bfloat16
+    tensors: Mapping[str, torch.Tensor],
+    layer: int,
+    fmt: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    arch: Any = None,
 ) -> LayerQuant:
-    """A :class:`LayerQuant` from the tensors a ``quantize_layer`` job wrote (exported names).
+    """A :class:`LayerQuant` from the tensors a ``quantize_layer`` job wrote (exported, i.e. disk, names:
+    ``arch``'s, :class:`mixquant.model.families.Architecture`; default the qwen2_moe-style names).
 
     Dequantized one expert at a time straight into the fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors, so
     the routed experts are held once in the model dtype (plus one expert's temporaries).
     """
-    from mixquant.quantize.layer import dequantize_tensors
+    from mixquant.quantize.layer import dequantize_tensors, expert_weight_name
 
-    prefix = _EXPERTS.format(layer=layer)
-    ids = {name[len(prefix) + 1 :].split(".", 1)[0] for name in tensors if name.startswith(prefix + ".")}
-    experts = sorted(int(e) for e in ids if e.isdigit())  # not e_score_correction_bias
-    if not experts or experts != list(range(len(experts))):
-        raise ValueError(
-            f"layer {layer}: expected experts 0..E-1 in the quantized tensors, got {experts[:8]}"
-        )
+    def weight_name(e: int, proj: str) -> str:
+        return arch.expert_weight(layer, e, proj) if arch is not None else expert_weight_name(layer, e, proj)
+
+    experts = []
+    while weight_name(len(experts), "gate_proj") in tensors:
+        experts.append(len(experts))
+    if not experts:
+        raise ValueError(f"layer {layer}: no routed-expert weights among the quantized tensors")
 
     def expert(e: int) -> dict[str, torch.Tensor]:
-        own = {n: t for n, t in tensors.items() if n.startswith(f"{prefix}.{e}.")}
+        prefixes = {
+            proj: weight_name(e, proj).removesuffix(".weight")
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        own = {n: t for n, t in tensors.items() if any(n.startswith(f"{p}.") for p in prefixes.values())}
         deq = dequantize_tensors(own, dtype)
         out = {}
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            name = f"{prefix}.{e}.{proj}.weight"
+        for proj, prefix in prefixes.items():
+            name = f"{prefix}.weight"
             if name not in deq:
                 raise ValueError(f"layer {layer}: missing {name}")
             out[proj] = deq[name]
@@ -124,12 +134,13 @@ def layer_quant_from_tensors(
     amax: dict[str, torch.Tensor | None] = {"gate_up": None, "down": None}
     if fmt == "fp8":
         for kind, proj in (("gate_up", "gate_proj"), ("down", "down_proj")):
-            scales = {tensors[f"{prefix}.{e}.{proj}.input_scale"].float().item() for e in experts}
+            names = [weight_name(e, proj).removesuffix(".weight") + ".input_scale" for e in experts]
+            scales = {tensors[name].float().item() for name in names}
             if len(scales) != 1:
                 raise ValueError(
                     f"layer {layer}: {proj} input_scale differs across experts ({sorted(scales)})"
                 )
-            amax[kind] = _amax_from_input_scale(tensors[f"{prefix}.0.{proj}.input_scale"])
+            amax[kind] = _amax_from_input_scale(tensors[names[0]])
     return LayerQuant(layer, fmt, gate_up, down, amax["gate_up"], amax["down"])
 
 
@@ -249,39 +260,16 @@ def kl_sum(
 
 
 class _LayerInputs:
-    """Hooks recording, per decoder layer from ``first`` on, its input and keyword arguments, and for the
-    scored MoE layers what their routed experts do not change: the residual stream after attention (the
-    input of ``post_attention_layernorm``), the router's choice (the experts' inputs) and the shared
-    expert's output."""
+    """Hooks recording, per decoder layer from ``first`` on, its input and keyword arguments."""
 
-    def __init__(self, model: torch.nn.Module, first: int, scored: Sequence[int] = ()):
+    def __init__(self, model: torch.nn.Module, first: int):
         self.hidden: dict[int, torch.Tensor] = {}
         self.kwargs: dict[int, dict[str, Any]] = {}
-        self.post_attention: dict[int, torch.Tensor] = {}
-        self.experts_args: dict[int, tuple] = {}
-        self.shared: dict[int, torch.Tensor] = {}
-        self.handles = []
-        for i, layer in enumerate(model.model.layers):
-            if i >= first:
-                self.handles.append(layer.register_forward_pre_hook(self._hook(i), with_kwargs=True))
-            if i in scored:
-                norm = layer.post_attention_layernorm
-                self.handles.append(norm.register_forward_pre_hook(self._residual(i)))
-                if _moe_block_parts(layer.mlp):
-                    self.handles.append(layer.mlp.experts.register_forward_pre_hook(self._experts(i)))
-                    self.handles.append(layer.mlp.shared_experts.register_forward_hook(self._shared(i)))
-
-    def _experts(self, i: int):
-        def hook(module, args):
-            self.experts_args[i] = args
-
-        return hook
-
-    def _shared(self, i: int):
-        def hook(module, args, output) -> None:
-            self.shared[i] = output
-
-        return hook
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i, layer in enumerate(model.model.layers)
+            if i >= first
+        ]
 
     def _hook(self, i: int):
         def hook(module, args, kwargs):
@@ -290,46 +278,18 @@ class _LayerInputs:
 
         return hook
 
-    def _residual(self, i: int):
-        def hook(module, args):
-            self.post_attention[i] = args[0]
-
-        return hook
-
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
-def _moe_block_parts(mlp: torch.nn.Module) -> bool:
-    """Whether ``mlp`` is a Laguna-style MoE block (routed experts + router + shared expert + scaling)."""
-    return all(hasattr(mlp, name) for name in ("experts", "gate", "shared_experts", "routed_scaling_factor"))
-
-
 def suffix_logits(model: torch.nn.Module, start: int, inputs: _LayerInputs) -> torch.Tensor:
-    """Logits of layers ``start..N-1`` + final norm + lm_head, from the recorded input of layer ``start``.
-
-    When the residual after layer ``start``'s attention was recorded, that layer restarts from there
-    (attention does not depend on the routed experts): ``residual + mlp(post_attention_layernorm(residual))``,
-    the decoder layer's own second half, and with the router's choice and the shared expert's output
-    recorded, only the routed experts run: ``residual + (experts(x, idx, w) * scaling + shared)``, the MoE
-    block's own arithmetic. Tests check the logits are bit-identical to a full forward.
-    """
+    """Logits of layers ``start..N-1`` + final norm + lm_head, from the recorded input of layer ``start``:
+    with layer ``start``'s experts swapped, bit-identical to a full forward with only them quantized
+    (nothing before them changes; any family, since the layers run as the model's own modules)."""
     layers = model.model.layers
-    if start in inputs.post_attention:
-        residual = inputs.post_attention[start]
-        layer = layers[start]
-        if start in inputs.experts_args and start in inputs.shared:
-            # LagunaSparseMoeBlock.forward with the router and shared expert outputs recorded
-            mlp = layer.mlp
-            routed = mlp.experts(*inputs.experts_args[start]) * mlp.routed_scaling_factor
-            hidden = residual + (routed + inputs.shared[start]).reshape(residual.shape)
-        else:
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        first = start + 1
-    else:
-        hidden, first = inputs.hidden[start], start
-    for i in range(first, len(layers)):
+    hidden = inputs.hidden[start]
+    for i in range(start, len(layers)):
         hidden = layers[i](hidden, **inputs.kwargs[i])
     return model.lm_head(model.model.norm(hidden))
 
@@ -379,7 +339,7 @@ def sensitivity_scores(
     with torch.inference_mode(), bar:
         for batch in batches:
             batch = batch.to(device)
-            inputs = _LayerInputs(model, order[0], order)
+            inputs = _LayerInputs(model, order[0])
             try:
                 logits = model(input_ids=batch, use_cache=False).logits
             finally:

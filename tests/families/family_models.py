@@ -1,0 +1,134 @@
+"""Small random instances of transformers' own MoE classes, one per supported model type, saved in their
+upstream disk layout (``save_pretrained``: transformers reverses its load conversions), with the toy's
+tokenizer so the whole workflow can run on them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = REPO / "data" / "toy-laguna"
+VOCAB = 2048  # the toy's tokenizer
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+# model_type -> what makes the small instance that type's own shape (MoE layers, shared experts, routers)
+SPECS = {
+    "qwen3_moe": {"num_hidden_layers": 3, "num_experts": 8, "mlp_only_layers": [0], "norm_topk_prob": True},
+    "deepseek_v3": {
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "num_key_value_heads": 4,  # MLA: one key/value per query head
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "head_dim": 16,
+    },
+    "glm4_moe": {
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "use_qk_norm": True,
+    },
+    "mixtral": {"num_hidden_layers": 3, "num_local_experts": 8, "intermediate_size": 32},
+    "minimax_m2": {
+        "num_hidden_layers": 3,
+        "num_local_experts": 8,
+        "intermediate_size": 32,
+        "use_qk_norm": True,
+    },
+}
+# the family each model type belongs to (mixquant.model.families)
+FAMILY = {
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "deepseek_v3",
+    "mixtral": "mixtral",
+    "minimax_m2": "mixtral",
+}
+
+
+def make_instance(model_type: str, out: Path, *, seed: int = 0) -> Path:
+    """A random bf16 ``model_type`` model saved with ``save_pretrained`` into ``out`` (+ the toy tokenizer).
+
+    Routers are scaled up so tokens spread over the experts, correction biases are random, a few expert
+    weights are outliers and the lm_head is sharp, so that quantization errors and KL scores are well
+    above rounding noise."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**COMMON, **SPECS[model_type]})
+    torch.manual_seed(seed)
+    # bf16 as published; what the class keeps in float32 (the routers of DeepSeek, GLM) is written as the
+    # publishers write it (_publish_dtypes)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.05, generator=generator)
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.add_(1.0)
+            elif ".gate.weight" in name:
+                param.mul_(20.0)
+            elif name.startswith("lm_head"):
+                param.mul_(8.0)
+            elif "experts.gate_up_proj" in name or "experts.down_proj" in name:
+                param[torch.rand(param.shape, generator=generator) < 3e-3] *= 25.0
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05, generator=generator)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    _publish_dtypes(model_type, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOY / name, out / name)
+    return out
+
+
+# Tensors a publisher writes in another dtype than transformers' class holds them in. DeepSeek-V3 ships its
+# routers' weights in BF16 (the hub's float32 bytes are the weight_scale_inv tensors and the 58 x 256
+# correction biases and nothing else), while DeepseekV3TopkRouter holds its weight in float32 and
+# save_pretrained writes it so: the instance is rewritten to the publisher's dtypes.
+PUBLISHED_DTYPES = {"deepseek_v3": {".mlp.gate.weight": torch.bfloat16}}
+
+
+def _publish_dtypes(model_type: str, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    casts = PUBLISHED_DTYPES.get(model_type, {})
+    if not casts:
+        return
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name, tensor in tensors.items():
+            for suffix, dtype in casts.items():
+                if name.endswith(suffix):
+                    tensors[name] = tensor.to(dtype)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        raise AssertionError(f"{index}: a sharded instance needs its total_size recomputed")
