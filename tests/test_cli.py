@@ -52,6 +52,29 @@ def test_explain_diff_names_leaf_paths():
     assert diff_values(a, b) == [("config.calibration.num_samples", 64, 16)]
 
 
+def test_keys_are_found_by_an_unambiguous_prefix(tmp_path, capsys):
+    """The 12-hex short keys mixquant prints name a keyed directory; an ambiguous or non-hex prefix is
+    one line (a prefix is checked as hex before it becomes part of a glob)."""
+    from mixquant.cli import find_keyed_dir
+
+    a, b, c = "ab12" + "0" * 60, "ab120000" + "1" * 56, "cd34" + "2" * 60
+    for stage, key in (("pin_prompt", a), ("export_checkpoint", b), ("run_kld", c)):
+        (tmp_path / stage / key).mkdir(parents=True)
+    (tmp_path / "run_kld" / ".tmp-cd34").mkdir()  # a temporary directory is never a match
+    assert find_keyed_dir(a[:12], tmp_path) == tmp_path / "pin_prompt" / a
+    assert find_keyed_dir(c[:8], tmp_path) == tmp_path / "run_kld" / c
+    assert find_keyed_dir(b, tmp_path) == tmp_path / "export_checkpoint" / b
+    with pytest.raises(ValueError, match="key prefix ab120000 is ambiguous .*: 2 directories"):
+        find_keyed_dir("ab120000", tmp_path)
+    with pytest.raises(ValueError, match="no output directory with key ef567890"):
+        find_keyed_dir("ef567890", tmp_path)
+    for bad in ("ab12", "../etc", "ab12*", "AB120000"):
+        with pytest.raises(ValueError, match="neither an output directory nor a key"):
+            find_keyed_dir(bad, tmp_path)
+    assert main(["explain", "--results-dir", str(tmp_path), "ab12", c[:12]]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 # ------------------------------------------------------------------------------ plan, paths: errors
 
 
@@ -157,3 +180,31 @@ def test_paths_shows_a_failed_stage_as_failed(scratch, capsys):
     assert main(["paths", "--configfile", config]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt "))
     assert line.split()[1] == "failed" and line.endswith(f"(log: {log.relative_to(scratch)})")
+
+
+@pytest.mark.parametrize("command", [["run", "verify_hashes"], ["run", "check_kld_gates"], ["verify"]])
+def test_a_failed_check_exits_1_whichever_command_runs_it(monkeypatch, capsys, command):
+    """``mixquant run verify_hashes`` and ``mixquant verify`` exit 1 for the same mismatch (as a failed
+    KLD gate does); errors that are not a check's verdict stay 2."""
+    import mixquant.cli as cli
+    from mixquant.kld.run import KldGateFailure
+    from mixquant.release.verify import HashMismatchError
+
+    verdict = (
+        KldGateFailure("KLD gates failed: x") if "gates" in command[-1] else HashMismatchError("mismatch")
+    )
+
+    def fail(args):
+        raise verdict
+
+    monkeypatch.setattr(cli, "cmd_run", fail)
+    monkeypatch.setattr(cli, "cmd_verify", fail)
+    assert main(command) == 1
+    assert capsys.readouterr().err.startswith("mixquant: ")
+
+    def broken(args):
+        raise ValueError("verify_hashes: results/x is not built")
+
+    monkeypatch.setattr(cli, "cmd_run", broken)
+    monkeypatch.setattr(cli, "cmd_verify", broken)
+    assert main(command) == 2

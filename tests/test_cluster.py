@@ -81,9 +81,13 @@ def test_job_request_doubles_per_attempt_and_falls_back_without_geometry(laguna)
     geometry = planning_geometry(laguna, REPO)
     layer = next(art for art in arts.values() if art.stage == "quantize_layer")
     first, second = job_request(laguna, geometry, layer, 1), job_request(laguna, geometry, layer, 2)
-    assert set(first) == {"mem_mb", "runtime"}
-    assert second == {name: 2 * value for name, value in first.items()}
-    assert job_request(laguna, None, layer) == {"mem_mb": 4000, "runtime": 60}
+    assert set(first) == {"mem_mb", "runtime", "disk_mb"}
+    # memory and time double per retry; what a job writes does not grow
+    assert second == {
+        **{name: 2 * first[name] for name in ("mem_mb", "runtime")},
+        "disk_mb": first["disk_mb"],
+    }
+    assert job_request(laguna, None, layer) == {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
 
 
 def test_a_dead_owners_lock_is_removed_a_live_one_is_kept(tmp_path):

@@ -240,11 +240,24 @@ def test_rule_resources_round_as_documented(laguna_cfg, laguna):
         assert resources["mem_mb"] == max(2000, math.ceil(cost.peak_host_bytes * 1.25 / 2**30) * 1024)
         assert resources["runtime"] == max(10, math.ceil(cost.runtime_s * 2 / 600) * 10)
         assert resources.get("gpu", 0) == cost.gpus
-    assert rule_resources(laguna_cfg, laguna, "check_kld_gates") == {"mem_mb": 3072, "runtime": 10}
+        assert resources["disk_mb"] == max(1000, math.ceil(cost.bytes_written * 1.1 / 1e6))
+    assert rule_resources(laguna_cfg, laguna, "check_kld_gates") == {
+        "mem_mb": 3072,
+        "runtime": 10,
+        "disk_mb": 1000,
+    }
     assert rule_resources(on_cpu(laguna_cfg), laguna, "quantize_layer", fmt="fp8") == {
         "mem_mb": 9216,
         "runtime": 40,
+        "disk_mb": 2659,  # a window of one layer: 2.4 GB of FP8 experts
     }
+    # a stage that writes the model asks for its size, not Snakemake's 50 GB default (the 235 GB
+    # Qwen3 fetch): the Laguna fetch writes 235 GB
+    fetch = stage_cost(laguna_cfg, laguna, "fetch_model")
+    assert fetch.bytes_written > 200e9
+    assert rule_resources(laguna_cfg, laguna, "fetch_model")["disk_mb"] == math.ceil(
+        fetch.bytes_written * 1.1 / 1e6
+    )
 
 
 def test_unknown_stage_is_refused(laguna_cfg, laguna):

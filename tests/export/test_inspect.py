@@ -111,6 +111,79 @@ def kv_export(source, calibration_ids, tmp_path_factory):
     return out
 
 
+# Quantization beyond the routed experts, as ModelOpt's auto_quantize or a hand-written recipe makes it:
+# (quantizer wildcard, weight format, with a static FP8 input quantizer)
+NON_EXPERT_RECIPE = (
+    ("lm_head", FP8, True),
+    ("*self_attn.q_proj", NVFP4, False),
+    ("*self_attn.o_proj", FP8, True),
+    ("*shared_expert*", NVFP4, False),
+    ("model.layers.0.mlp.*", FP8, True),  # the dense layer's MLP
+)
+
+
+@pytest.fixture(scope="module")
+def everything_export(source, calibration_ids, tmp_path_factory):
+    """ModelOpt's own export of the placement plus an FP8 lm_head, NVFP4 / FP8 attention projections,
+    NVFP4 shared experts and an FP8 dense MLP."""
+    from mixquant.formats.nvfp4 import nvfp4_w4a16_static_config
+    from mixquant.quantize.reference import _preset_quantizer_cfg
+    from modelopt.torch.export import export_hf_checkpoint
+
+    out = tmp_path_factory.mktemp("export_everything")
+    model = LagunaForCausalLM.from_pretrained(source, dtype=torch.bfloat16, experts_implementation="eager")
+    quant_cfg, _ = modelopt_placement_quant_cfg(PLACEMENT, nvfp4_algorithm="max", fp8_weight_algorithm="max")
+    weight = {
+        NVFP4: _preset_quantizer_cfg(nvfp4_w4a16_static_config("max"), "*weight_quantizer"),
+        FP8: _preset_quantizer_cfg(mtq.FP8_DEFAULT_CFG, "*weight_quantizer"),
+    }
+    fp8_input = _preset_quantizer_cfg(mtq.FP8_DEFAULT_CFG, "*input_quantizer")
+    for pattern, fmt, static_input in NON_EXPERT_RECIPE:
+        quant_cfg["quant_cfg"].append({"quantizer_name": f"{pattern}*weight_quantizer", "cfg": weight[fmt]})
+        if static_input:
+            quant_cfg["quant_cfg"].append({"quantizer_name": f"{pattern}*input_quantizer", "cfg": fp8_input})
+    with quiet(), cpu_nvfp4_fake_quant(), torch.no_grad():
+        mtq.quantize(model, quant_cfg, forward_loop=lambda m: m(input_ids=calibration_ids, use_cache=False))
+        export_hf_checkpoint(model, export_dir=out)
+    return out
+
+
+def test_every_quantized_module_is_reported_and_checked(everything_export, tmp_path):
+    """Attention, lm_head, shared experts and the dense MLP are counted by format, each module agreeing
+    with its quantized_layers entry; a disagreement anywhere fails the inspection (and the CLI's exit)."""
+    from mixquant.cli import main
+
+    hf = json.loads((everything_export / "hf_quant_config.json").read_text())
+    listed = hf["quantization"]["quantized_layers"]
+    report = inspect_checkpoint(everything_export)
+    assert report["ok"], report["quant_config_check"]["disagreements"] + report["problems"]
+    assert report["quantized_module_count"] == len(listed)  # ModelOpt's own list, module for module
+    layers, dense, moe = NUM_LAYERS, 1, NUM_LAYERS - 1
+    assert report["quantized_modules"] == {
+        "attention": {FP8: layers, NVFP4: layers},
+        "dense_mlp": {FP8: 3 * dense},
+        "lm_head": {FP8: 1},
+        "routed_experts": {FP8: 1, NVFP4: 1},
+        "shared_experts": {NVFP4: 3 * moe},
+    }
+    assert report["non_expert_formats"]["lm_head"] == FP8
+    assert "quantized modules: " + str(len(listed)) in format_inspection(report)
+    assert main(["inspect", str(everything_export)]) == 0
+
+    broken = copy_dir(everything_export, tmp_path / "ckpt")
+    hf["quantization"]["quantized_layers"]["lm_head"] = {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+    del hf["quantization"]["quantized_layers"]["model.layers.2.mlp.shared_expert.up_proj"]
+    (broken / "hf_quant_config.json").write_text(json.dumps(hf))
+    report = inspect_checkpoint(broken)
+    text = " | ".join(report["quant_config_check"]["disagreements"])
+    assert "lm_head: hf_quant_config.json says nvfp4_w4a16, tensors are fp8" in text
+    assert (
+        "quantized non-expert modules not in quantized_layers: model.layers.2.mlp.shared_expert.up_proj"
+        in text
+    )
+    assert not report["ok"] and main(["inspect", "--json", str(broken)]) == 1
+
+
 def read_config(directory) -> dict:
     return json.loads((directory / "config.json").read_text())
 
@@ -331,6 +404,12 @@ def test_quant_config_disagreements(export, tmp_path):
     assert "kv_cache_quant_algo FP8, but layers lack a k_scale or v_scale: 0, 1, 2, 3, 4" in text
     assert "config.json quantization_config.quantized_layers differs" in text
     assert not report["ok"] and "DISAGREE" in format_inspection(report)
+    # the CLI says so with its exit code too (a check that failed: 1), in text and in JSON
+    from mixquant.cli import main
+
+    assert main(["inspect", str(broken)]) == 1
+    assert main(["inspect", "--json", str(broken)]) == 1
+    assert main(["inspect", str(export)]) == 0
 
 
 def test_single_algorithm_quant_config(export, tmp_path):

@@ -299,3 +299,25 @@ def test_kv_cache_scales_outside_laguna_stop_planning_in_one_line(workdir):
         f"mixquant: {configfile}: config key 'export.kv_cache_quant': 'fp8', but KV-cache scales are "
         "supported for laguna only (set it to null for qwen3_moe)"
     )
+
+
+def test_nested_config_overrides_take_the_numbers_they_name(workdir):
+    """`--config 'section={key: value}'` (how Snakemake takes a nested key; YAML hands the value over as
+    a string) gives the same keys as a config file with the number; a value that is not one is one line."""
+    config = workdir.config()
+    config["calibration"]["num_samples"] = 8
+    configfile = workdir.write_config("eight.yaml", config)
+
+    def sample_calibration_dir(*args: str) -> str:
+        text = workdir.snakemake("-n", *args).stdout
+        return re.search(r"results/sample_calibration/[0-9a-f]{64}", text).group(0)
+
+    nested = sample_calibration_dir("--config", 'calibration={num_samples: "8"}')
+    assert nested == sample_calibration_dir("--configfile", configfile)
+    assert nested != sample_calibration_dir()
+    bad = workdir.snakemake("-n", "--config", "calibration={num_samples: eight}", check=False)
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "mixquant: config/config.yaml with --config calibration: config key 'calibration.num_samples': "
+        "Input should be a valid integer, unable to parse string as an integer (got 'eight')"
+    )

@@ -68,16 +68,29 @@ def cmd_paths(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- explain
 
 
+SHORT_KEY_MIN = 8  # hex digits of the shortest key prefix accepted (mixquant prints 12)
+_HEX_PREFIX = re.compile(rf"^[0-9a-f]{{{SHORT_KEY_MIN},64}}$")
+
+
 def find_keyed_dir(ref: str, results_dir: str | Path) -> Path:
-    """A keyed output directory from a key (searched under results/*/) or a directory path."""
+    """A keyed output directory from a key or an unambiguous prefix of one (>= 8 hex digits, as mixquant
+    prints 12), searched under results/*/, or a directory path."""
     path = Path(ref)
     if path.is_dir():
         return path
-    if not is_sha256_hex(ref):
-        raise ValueError(f"{ref!r} is neither an output directory nor a 64-hex key")
-    matches = sorted(Path(results_dir).glob(f"*/{ref}"))
+    if not _HEX_PREFIX.match(ref):  # checked before it becomes part of a glob
+        raise ValueError(
+            f"{ref!r} is neither an output directory nor a key (64 hex digits, or at least "
+            f"{SHORT_KEY_MIN} of its first)"
+        )
+    matches = sorted(p for p in Path(results_dir).glob(f"*/{ref}*") if p.is_dir() and is_sha256_hex(p.name))
     if not matches:
         raise ValueError(f"no output directory with key {ref} under {results_dir}/")
+    if len(matches) > 1:
+        shown = ", ".join(f"{p.parent.name}/{p.name[:16]}" for p in matches[:4])
+        raise ValueError(
+            f"key prefix {ref} is ambiguous under {results_dir}/: {len(matches)} directories ({shown})"
+        )
     return matches[0]
 
 
@@ -225,7 +238,7 @@ def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) ->
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from mixquant.cluster import estimate_table, parse_dry_run_jobs
+    from mixquant.cluster import disk_space_warning, estimate_table, parse_dry_run_jobs
 
     cfg = _load(args)  # the config's own error in one line, before Snakemake is started
     configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
@@ -234,6 +247,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     jobs = parse_dry_run_jobs(text)
     slots = _profile_settings(args.profile).get("jobs")
     estimates, critical = plan_estimates(cfg, jobs, int(slots) if slots else None) if plan else ([], {})
+    if critical and (
+        disk := disk_space_warning(cfg.results_dir, sum(row.bytes_written for row in estimates))
+    ):
+        critical["warnings"].append(disk)
     if args.json:
         print(
             json.dumps(
@@ -363,8 +380,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_pin_model(args: argparse.Namespace) -> int:
     """The content pin (model.local.sha256) of a local model directory."""
+    from mixquant.checkpoint.shards import check_links_inside
     from mixquant.model.fetch import identity_sha256, local_dir_identity
 
+    check_links_inside(args.directory)
     print(identity_sha256(local_dir_identity(args.directory)))
     return 0
 
@@ -397,7 +416,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     report = inspect_checkpoint(args.directory)
     print(json.dumps(report, indent=2, default=str) if args.json else format_inspection(report))
-    return 0
+    return 0 if report["ok"] else 1
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -541,7 +560,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, ManifestError, ValueError, RuntimeError, FileNotFoundError) as error:
         print(f"mixquant: {error}", file=sys.stderr)
-        return 2
+        return 1 if _is_check_failure(error) else 2
+
+
+def _is_check_failure(error: BaseException) -> bool:
+    """A check that ran and failed (hashes differ, a KLD gate fails): exit 1, as ``mixquant verify`` and
+    ``mixquant inspect`` do; anything else (config, missing inputs, usage) exits 2."""
+    from mixquant.kld.run import KldGateFailure
+    from mixquant.release.verify import HashMismatchError
+
+    return isinstance(error, (HashMismatchError, KldGateFailure))
 
 
 if __name__ == "__main__":

@@ -48,16 +48,18 @@ def planning_geometry(cfg: MixquantConfig, root: Path = Path(".")) -> Geometry |
 
 
 # Requests for a job whose model has no geometry on file (a hub model without model.geometry).
-FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60}
+FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
 
 
 def job_request(cfg: MixquantConfig, geometry: Geometry | None, art: Artifact, attempt: int = 1) -> dict:
-    """SLURM request (mem_mb, runtime in minutes) of one job; doubled per retry (attempt 2 -> x2)."""
+    """SLURM request (mem_mb, runtime in minutes, disk_mb) of one job; memory and time doubled per retry
+    (attempt 2 -> x2)."""
     if geometry is None:
         base = dict(FALLBACK_REQUEST)
     else:
         base = rule_resources(cfg, geometry, art.stage, gpus=engine_gpus(cfg, art.stage), **job_shape(art))
-    return {name: int(base[name]) * max(1, attempt) for name in ("mem_mb", "runtime")}
+    request = {name: int(base[name]) * max(1, attempt) for name in ("mem_mb", "runtime")}
+    return {**request, "disk_mb": int(base["disk_mb"])}  # what a job writes does not grow on a retry
 
 
 # ------------------------------------------------------------------------------------------ dry run
@@ -329,6 +331,38 @@ def release_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
         return
     if mine:
         path.unlink(missing_ok=True)
+
+
+def disk_space_warning(results_dir: str | Path, bytes_to_write: int, free: int | None = None) -> str | None:
+    """A warning when a plan writes more than the results filesystem has free (None when it fits)."""
+    if free is None:
+        probe = Path(results_dir).absolute()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+    if bytes_to_write <= free:
+        return None
+    return (
+        f"the plan writes {bytes_to_write / 1e9:,.3f} GB to {results_dir}/, whose filesystem has "
+        f"{free / 1e9:,.3f} GB free"
+    )
+
+
+def active_run_line(snakemake_dir: str | Path = ".snakemake") -> str | None:
+    """One line naming the live run that holds this working directory (this host), else None."""
+    try:
+        owner = json.loads((Path(snakemake_dir) / OWNER_FILE).read_text())
+        pid = int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid == os.getpid() or owner.get("host") != socket.gethostname():
+        return None
+    if _process_start(pid) is None or _process_start(pid) != owner.get("start"):
+        return None
+    return (
+        f"mixquant: this working directory is in use by the run of pid {pid} on {owner['host']}; "
+        "wait for it or stop it (snakemake --unlock only once it is gone)"
+    )
 
 
 def clear_stale_lock(snakemake_dir: str | Path = ".snakemake") -> str | None:

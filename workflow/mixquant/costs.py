@@ -947,6 +947,12 @@ def stage_cost(
     )
 
 
+def disk_mb(bytes_written: int) -> int:
+    """Disk a job asks for: what it writes x 1.1 in MB, at least 1000 (Snakemake's unit; its own default,
+    max(2 x input, 50 GB), knows nothing of a stage's output)."""
+    return max(1000, math.ceil(bytes_written * 1.1 / 1e6))
+
+
 def rule_resources(
     cfg: MixquantConfig,
     geometry: Geometry,
@@ -959,13 +965,14 @@ def rule_resources(
     hardware: Hardware = B200,
 ) -> dict[str, int]:
     """SLURM request of one job: ``mem_mb`` = peak host x 1.25 rounded up to whole GiB (at least 2000),
-    ``runtime`` = runtime x 2 in minutes rounded up to 10 (at least 10), ``gpu`` when the job has GPUs."""
+    ``runtime`` = runtime x 2 in minutes rounded up to 10 (at least 10), ``disk_mb`` (:func:`disk_mb`),
+    ``gpu`` when the job has GPUs."""
     cost = stage_cost(
         cfg, geometry, stage, gpus=gpus, fmt=fmt, layers=layers, sequences=sequences, hardware=hardware
     )
     mem_mb = max(2000, math.ceil(cost.peak_host_bytes * 1.25 / GIB) * 1024)
     runtime = max(10, math.ceil(cost.runtime_s * 2 / 60 / 10) * 10)
-    resources = {"mem_mb": mem_mb, "runtime": runtime}
+    resources = {"mem_mb": mem_mb, "runtime": runtime, "disk_mb": disk_mb(cost.bytes_written)}
     if cost.gpus:
         resources["gpu"] = cost.gpus
     return resources

@@ -7,25 +7,56 @@ import json
 from pathlib import Path
 from typing import Any
 
+MAX_JSON_BYTES = 64 << 20  # the largest JSON file mixquant reads (a 1T model's index is a few MB)
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are unique (``json`` would silently keep the last of a repeated name)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate name {key[:80]!r}")
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` refusing repeated object names and nesting too deep for the parser (ValueError)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_object)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
 
 def read_json(
-    path: str | Path, what: str = "JSON", *, error: type[Exception] = ValueError, who: str = ""
+    path: str | Path,
+    what: str = "JSON",
+    *,
+    error: type[Exception] = ValueError,
+    who: str = "",
+    max_bytes: int = MAX_JSON_BYTES,
 ) -> Any:
-    """``json.loads`` of the UTF-8 file at ``path``.
+    """``json.loads`` of the UTF-8 file at ``path`` (at most ``max_bytes``, checked before reading).
 
     Failures raise ``error`` with one line: ``[who: ]<path>: <what> not found`` / ``cannot read <what>
-    (<reason>)`` / ``corrupt <what> (<reason>)``.
+    (<reason>)`` / ``corrupt <what> (<reason>)`` (not UTF-8, not JSON, a repeated name, nested too
+    deeply) / ``<what> of N bytes is larger than ...``.
     """
     path = Path(path)
     prefix = f"{who}: {path}" if who else str(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        raw = path.read_bytes() if size <= max_bytes else None
     except FileNotFoundError as exc:
         raise error(f"{prefix}: {what} not found") from exc
     except OSError as exc:
         raise error(f"{prefix}: cannot read {what} ({exc.strerror or exc})") from exc
+    if raw is None:
+        raise error(f"{prefix}: {what} of {size} bytes is larger than mixquant reads ({max_bytes} bytes)")
+    try:
+        return loads_strict(raw.decode("utf-8"))
     except ValueError as exc:
-        raise error(f"{prefix}: corrupt {what} ({exc})") from exc
+        raise error(f"{prefix}: corrupt {what} ({str(exc)[:200]})") from exc
 
 
 def diff_values(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:

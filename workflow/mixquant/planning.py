@@ -283,6 +283,30 @@ def run_end_lines(artifacts: dict[str, Artifact], succeeded: bool = True) -> lis
     return lines
 
 
+def unpinned_sources(cfg: MixquantConfig) -> list[str]:
+    """Config keys of Hub sources a run would download without a pinned revision (planning accepts them;
+    a run refuses to start with them, before any download -- the model is fetched first)."""
+    keys = []
+    if cfg.model.source == "hub" and (cfg.model.hub is None or cfg.model.hub.revision is None):
+        keys.append("model.hub.revision")
+    if cfg.tokenizer.source == "hub" and (cfg.tokenizer.hub is None or cfg.tokenizer.hub.revision is None):
+        keys.append("tokenizer.hub.revision")
+    if cfg.dataset.source == "hub":
+        keys += [
+            f"dataset.hub[{i}].revision" for i, m in enumerate(cfg.dataset.hub or []) if m.revision is None
+        ]
+    return keys
+
+
+def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
+    """What a run needs that planning does not: every Hub source pinned (one line naming them)."""
+    if keys := unpinned_sources(cfg):
+        raise ConfigError(
+            f"{source}: {', '.join(keys)} not pinned: a run refuses to start (and download anything) until "
+            f"{'it is' if len(keys) == 1 else 'each is'} a full 40-hex commit SHA"
+        )
+
+
 def report_run_end(cfg: MixquantConfig, hash_cache_dir: Path | None, succeeded: bool) -> list[str]:
     """run_end_lines on the graph as it stands now (the placement included once it is solved)."""
     from mixquant.keys.artifacts import resolve_artifacts

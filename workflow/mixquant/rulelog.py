@@ -6,7 +6,9 @@ holding the one line), removed when the stage runs again: `mixquant paths` shows
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import sys
 import traceback
 from collections.abc import Iterator
@@ -25,15 +27,49 @@ def failure_marker(log_path: str | Path) -> Path:
     return Path(log_path).with_suffix(".failed")
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(error: BaseException) -> OSError | bool:
+    """The OSError (ENOSPC / EDQUOT) behind ``error``, also where a library re-raised it as its own
+    exception (safetensors: "No space left on device (os error 28)"); else False."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            return error
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return error if isinstance(error, OSError) else True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def disk_full_line(error: BaseException, log_path: str | Path, resources: Any = None) -> str:
+    """One line for a job that ran out of disk: where, what the job asks for, what is free there."""
+    full = disk_full(error)
+    where = Path(getattr(full, "filename", None) or Path(log_path).parent)
+    probe = where if where.is_dir() else where.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    wanted = getattr(resources, "disk_mb", None) if resources is not None else None
+    needs = f"this job asks for {int(wanted)} MB of disk" if wanted else "this job needs more"
+    detail = str(getattr(full, "strerror", "") or "").removeprefix("No space left on device").strip(" ()")
+    return f"no space left on device writing {where}: {needs}, {free / 1e6:.1f} MB are free on {probe}" + (
+        f" ({detail})" if detail else ""
+    )
+
+
 @contextmanager
-def rule_logging(log_path: str, stage: Any = None) -> Iterator[None]:
-    """Send logging to `log_path`; on an exception write the traceback there and exit with one line.
+def rule_logging(log_path: str, stage: Any = None, resources: Any = None) -> Iterator[None]:
+    """Send logging to `log_path`; on an exception write the traceback there and exit with one line
+    (a full disk: where, what the job asks for in ``resources.disk_mb``, what is free).
 
     The one line (``mixquant: <stage error>``) goes to stderr, where Snakemake shows it; the full
     traceback stays in the log for whoever needs it. When the stage's settings name a numerics profile
     (stages whose numbers torch computes), the process enters it first (mixquant.numerics): a process
     that cannot compute under it stops here with one line.
     """
+    logging.raiseExceptions = False  # a log write that fails (a full disk) must not print tracebacks
     handler = logging.FileHandler(log_path, mode="w", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -52,10 +88,15 @@ def rule_logging(log_path: str, stage: Any = None) -> Iterator[None]:
             )
         yield
     except Exception as error:  # noqa: BLE001 - reported as one line, traceback in the log
-        logging.getLogger("mixquant").error("stage failed:\n%s", traceback.format_exc())
-        handler.flush()
-        marker.write_text((str(error).splitlines() or [type(error).__name__])[0] + "\n", encoding="utf-8")
-        print(f"mixquant: {error} (details: {log_path})", file=sys.stderr)
+        line = disk_full_line(error, log_path, resources) if disk_full(error) else str(error)
+        line = (line.splitlines() or [type(error).__name__])[0]
+        try:  # on a full disk the log and the marker may not be writable either: the line still goes out
+            logging.getLogger("mixquant").error("stage failed:\n%s", traceback.format_exc())
+            handler.flush()
+            marker.write_text(line + "\n", encoding="utf-8")
+        except OSError:
+            pass
+        print(f"mixquant: {line} (details: {log_path})", file=sys.stderr)
         sys.exit(1)
     finally:
         root.removeHandler(handler)

@@ -15,6 +15,7 @@ rule sample_calibration:
     threads: 1
     resources:
         mem_mb=artifact_request("calibration", "mem_mb"),
+        disk_mb=artifact_request("calibration", "disk_mb"),
         runtime=artifact_request("calibration", "runtime"),
     params:
         stage=stage_params("calibration"),

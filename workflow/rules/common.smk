@@ -4,15 +4,18 @@ import sys
 from snakemake.utils import validate
 
 from mixquant.cluster import (
+    active_run_line,
     clear_stale_lock,
     job_request,
     planning_geometry,
     record_run_owner,
     release_run_owner,
 )
+from mixquant.faults import point as fault_point
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
-from mixquant.planning import check_plan, report_run_end
+from mixquant.planning import check_plan, check_run_start, report_run_end
+from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
 
 SELECTED_CONFIG = select_workflow_config(
@@ -20,6 +23,10 @@ SELECTED_CONFIG = select_workflow_config(
 )
 CONFIG_SOURCE = (
     " ".join(map(str, workflow.overwrite_configfiles)) or "config/config.yaml"
+) + (  # an error in a --config value says it came from there
+    f" with --config {' '.join(sorted(workflow.config_settings.config))}"
+    if workflow.config_settings.config
+    else ""
 )
 try:
     # One line naming the key first (the config, then what planning can check: paths, context,
@@ -28,8 +35,10 @@ try:
     check_plan(CFG, CONFIG_SOURCE)
 except ConfigError as error:
     sys.exit(f"mixquant: {error}")
+# What the keys are made of: the config as mixquant read it (a quoted number from a YAML file or a
+# nested --config 'section={key: 8}' is the number it names), checked against the committed schema.
 validate(
-    SELECTED_CONFIG,
+    CFG.model_dump(mode="json", by_alias=True),
     workflow.source_path("../schemas/config.schema.json"),
     set_default=False,
 )
@@ -42,15 +51,36 @@ HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
 
 # A run killed with SIGKILL leaves Snakemake's lock behind; the next run on this host removes it once
 # the process that held it is gone (keyed outputs are published whole, so nothing half-written stays).
-if workflow.is_main_process and (message := clear_stale_lock()):
+if workflow.is_main_process and (message := clear_stale_lock() or active_run_line()):
     print(message, file=sys.stderr)
 
 
 onstart:
+    try:  # before any job: a run that would download from an unpinned revision stops here
+        check_run_start(CFG, CONFIG_SOURCE)
+    except ConfigError as error:
+        sys.exit(f"mixquant: {error}")
     record_run_owner()
+    # one run at a time per results store (mixquant.store): after waiting for another workflow's run,
+    # plan again so that what it published is reused, not computed (and deleted) a second time
+    if hold_results_store(CFG.results_dir):
+        print(
+            "mixquant: the other run is done; planning again to reuse what it published",
+            file=sys.stderr,
+        )
+        release_run_owner()
+        workflow.persistence.unlock()
+        restart_run()
+    fault_point(
+        "run-start", "snakemake"
+    )  # locks taken, no job started (the kill campaign's hook)
 
 
 onsuccess:
+    fault_point(
+        "run-end", "snakemake"
+    )  # every job done, the run's bookkeeping not yet
+    release_results_store(CFG.results_dir)
     release_run_owner()
     # where the release and the checkpoint are
     for line in report_run_end(CFG, HASH_CACHE, succeeded=True):
@@ -58,6 +88,7 @@ onsuccess:
 
 
 onerror:
+    release_results_store(CFG.results_dir)
     release_run_owner()
     for line in report_run_end(CFG, HASH_CACHE, succeeded=False):
         print(line, file=sys.stderr)
@@ -147,6 +178,10 @@ def artifact_request(name, resource):
 
 def keyed_mem_mb(wildcards, attempt):
     return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["mem_mb"]
+
+
+def keyed_disk_mb(wildcards, attempt):
+    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["disk_mb"]
 
 
 def keyed_runtime(wildcards, attempt):

@@ -18,6 +18,7 @@ rule export_checkpoint:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,

@@ -19,6 +19,7 @@ rule reference_logits:
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -42,6 +43,7 @@ rule run_kld:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -63,6 +65,7 @@ rule gate_kld:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -89,6 +92,7 @@ rule kld_report:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -110,6 +114,7 @@ rule check_kld_gates:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,

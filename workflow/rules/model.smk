@@ -17,6 +17,7 @@ if CFG.model.source == "toy":
         threads: CFG.model.toy.threads
         resources:
             mem_mb=artifact_request("model", "mem_mb"),
+            disk_mb=artifact_request("model", "disk_mb"),
             runtime=artifact_request("model", "runtime"),
         params:
             stage=stage_params("model"),
@@ -39,6 +40,7 @@ rule fetch_model:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -63,6 +65,7 @@ rule dequantize_source:
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,

@@ -15,6 +15,7 @@ rule pin_prompt:
     threads: 1
     resources:
         mem_mb=artifact_request("prompt", "mem_mb"),
+        disk_mb=artifact_request("prompt", "disk_mb"),
         runtime=artifact_request("prompt", "runtime"),
     params:
         stage=stage_params("prompt"),

@@ -18,6 +18,7 @@ rule collect_activation_stats:
     threads: CFG.numerics.threads
     resources:
         mem_mb=artifact_request("activations", "mem_mb"),
+        disk_mb=artifact_request("activations", "disk_mb"),
         runtime=artifact_request("activations", "runtime"),
     params:
         stage=stage_params("activations"),
@@ -41,6 +42,7 @@ rule quantize_layer:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,

@@ -18,6 +18,7 @@ rule score_sensitivity:
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,
@@ -51,6 +52,7 @@ if CFG.placement.source == "search":
         threads: 1
         resources:
             mem_mb=artifact_request("placement", "mem_mb"),
+            disk_mb=artifact_request("placement", "disk_mb"),
             runtime=artifact_request("placement", "runtime"),
         params:
             stage=stage_params("placement"),

@@ -19,6 +19,7 @@ rule verify_hashes:
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
+        disk_mb=keyed_disk_mb,
         runtime=keyed_runtime,
     params:
         stage=keyed_params,

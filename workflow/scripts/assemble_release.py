@@ -3,5 +3,5 @@
 from mixquant.release.bundle import run_assemble_release
 from mixquant.rulelog import rule_logging
 
-with rule_logging(snakemake.log[0], snakemake.params.stage):
+with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     run_assemble_release(snakemake.output.release, **dict(snakemake.input.items()), **snakemake.params.stage)

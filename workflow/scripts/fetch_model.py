@@ -3,5 +3,5 @@
 from mixquant.model.run import run_fetch_model
 from mixquant.rulelog import rule_logging
 
-with rule_logging(snakemake.log[0], snakemake.params.stage):
+with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     run_fetch_model(snakemake.output.model, **snakemake.params.stage)

@@ -3,7 +3,7 @@
 from mixquant.kld.run import run_gate_kld
 from mixquant.rulelog import rule_logging
 
-with rule_logging(snakemake.log[0], snakemake.params.stage):
+with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     stage = dict(snakemake.params.stage)
     stage["settings"] = {**stage["settings"], "threads": snakemake.threads}
     run_gate_kld(snakemake.output[0], **dict(snakemake.input.items()), **stage)

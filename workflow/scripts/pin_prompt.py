@@ -3,5 +3,5 @@
 from mixquant.calibration.run import run_pin_prompt
 from mixquant.rulelog import rule_logging
 
-with rule_logging(snakemake.log[0], snakemake.params.stage):
+with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     run_pin_prompt(snakemake.output.prompt, model=snakemake.input.model, **snakemake.params.stage)

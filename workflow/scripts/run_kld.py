@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from mixquant.kld.run import run_kld
 from mixquant.rulelog import rule_logging
 
-with rule_logging(snakemake.log[0], snakemake.params.stage):
+with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     stage = dict(snakemake.params.stage)
     stage["settings"] = {**stage["settings"], "threads": snakemake.threads}
     run_kld(snakemake.output[0], **dict(snakemake.input.items()), **stage)

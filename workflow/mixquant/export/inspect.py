@@ -76,6 +76,16 @@ _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _KV_RE = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\.(?:(k)_proj\.k_scale|(v)_proj\.v_scale|(k)_scale|(v)_scale)$"
 )
+# a linear module's tensors as ModelOpt exports them (weight, its scales, the static input scale)
+_MODULE_TENSORS = frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale"})
+_CATEGORIES = (
+    ("lm_head", re.compile(r"(^|\.)lm_head$")),
+    ("shared_experts", re.compile(r"\.shared_experts?\.")),
+    ("attention", re.compile(r"\.(self_attn|attention|attn)\.")),
+    ("router", re.compile(r"\.(mlp|block_sparse_moe)\.gate$")),
+    ("dense_mlp", re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")),
+    ("embeddings", re.compile(r"embed")),
+)
 _EXPERTS_MODULE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -263,6 +273,12 @@ def _check_index(
     }
 
 
+def module_category(module: str) -> str:
+    """Where a non-expert module sits: lm_head, shared_experts, attention, router, dense_mlp, embeddings,
+    other (by the names transformers' MoE families give them)."""
+    return next((name for name, pattern in _CATEGORIES if pattern.search(module)), "other")
+
+
 def _experts_modules(layer: int) -> tuple[str, ...]:
     """The names a quant config gives layer ``layer``'s routed experts: ``mlp.experts`` (in memory, and
     on disk for the qwen2_moe-style families) or Mixtral's disk name ``block_sparse_moe.experts``."""
@@ -312,7 +328,7 @@ def _check_quant_config(
     layer_formats: Mapping[int, str],
     kv_layers: Mapping[int, set[str]],
     num_layers: int,
-    non_expert_quantized: list[str],
+    non_expert_quantized: Mapping[str, str],
 ) -> dict[str, Any]:
     disagreements: list[str] = []
     quantized_tensors = any(f != BF16 for f in layer_formats.values()) or kv_layers or non_expert_quantized
@@ -334,18 +350,33 @@ def _check_quant_config(
                     f"tensors are {layer_formats[layer]}"
                 )
     if quant.get("quant_algo") == "MIXED_PRECISION":
-        for module in sorted(quant.get("quantized_layers") or {}):
+        for module, entry in sorted((quant.get("quantized_layers") or {}).items()):
             match = _EXPERTS_MODULE_RE.match(module)
             if match and int(match.group(1)) not in layer_formats:
                 disagreements.append(f"quantized_layers names {module}, which has no routed-expert tensors")
             elif not match and module not in non_expert_quantized:
                 disagreements.append(f"quantized_layers names {module}, whose tensors are not quantized")
+            elif not match:
+                declared = QUANT_ALGO_FORMATS.get(str((entry or {}).get("quant_algo")).upper(), "unknown")
+                actual = non_expert_quantized[module]
+                if declared != actual:
+                    disagreements.append(
+                        f"{module}: {QUANT_CONFIG_FILE} says {declared}, tensors are {actual}"
+                    )
         listed = set(quant.get("quantized_layers") or {})
         unlisted = [m for m in non_expert_quantized if m not in listed]
         if unlisted:
             disagreements.append(
                 f"quantized non-expert modules not in quantized_layers: {_examples(unlisted)}"
             )
+    elif quant.get("quant_algo") is not None:  # one algorithm for every module not excluded
+        fmt = QUANT_ALGO_FORMATS.get(str(quant.get("quant_algo")).upper())
+        excludes = quant.get("exclude_modules") or []
+        for module, actual in non_expert_quantized.items():
+            if any(fnmatch.fnmatchcase(module, p) for p in excludes):
+                disagreements.append(f"{module}: in exclude_modules, but its tensors are {actual}")
+            elif fmt is not None and actual != fmt:
+                disagreements.append(f"{module}: {QUANT_CONFIG_FILE} says {fmt}, tensors are {actual}")
     kv_algo = quant.get("kv_cache_quant_algo")
     if kv_algo is None and kv_layers:
         disagreements.append(
@@ -446,7 +477,7 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     kv_layers: dict[int, set[str]] = defaultdict(set)
     tensors_count: dict[str, Any] = {"routed": dict.fromkeys(FORMATS, 0), "non_expert": 0, "kv_scales": 0}
     bytes_count: dict[str, Any] = {"routed": dict.fromkeys(FORMATS, 0), "non_expert": 0, "kv_scales": 0}
-    non_expert_scales: set[str] = set()
+    non_expert_modules: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     max_layer = -1
     for tensors in headers.values():
         for name, info in tensors.items():
@@ -467,8 +498,9 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
                 continue
             tensors_count["non_expert"] += 1
             bytes_count["non_expert"] += nbytes
-            if name.endswith(".weight_scale"):
-                non_expert_scales.add(name[: -len(".weight_scale")])
+            module, _, suffix = name.rpartition(".")
+            if suffix in _MODULE_TENSORS and module:
+                non_expert_modules[module][suffix] = info
 
     layer_numel: dict[int, Counter] = defaultdict(Counter)
     experts: dict[int, set[int]] = defaultdict(set)
@@ -483,8 +515,16 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
         bytes_count["routed"][fmt] = bytes_count["routed"].get(fmt, 0) + sum(
             p["nbytes"] for p in parts.values()
         )
+    non_expert_quantized: dict[str, str] = {}
+    for module, parts in sorted(non_expert_modules.items()):
+        if set(parts) == {"weight"}:
+            continue  # a plain (BF16 / F32) weight: not quantized
+        fmt, _, problem = classify_projection(parts)
+        non_expert_quantized[module] = fmt
+        if problem:
+            projection_problems.append(f"{module}: {problem}")
     if projection_problems:
-        problems.append(f"routed projections: {_examples(projection_problems)}")
+        problems.append(f"quantized projections: {_examples(projection_problems)}")
     for table in (tensors_count, bytes_count):
         table["total"] = sum(table["routed"].values()) + table["non_expert"] + table["kv_scales"]
 
@@ -538,8 +578,16 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     payload = bytes_count["total"]
     index_check = _check_index(index, headers, root, payload)
     quant_check = _check_quant_config(
-        hf_quant_config, config, layer_formats, kv_layers, num_layers, sorted(non_expert_scales)
+        hf_quant_config, config, layer_formats, kv_layers, num_layers, non_expert_quantized
     )
+    quantized_modules: dict[str, dict[str, int]] = defaultdict(Counter)
+    for fmt in layer_formats.values():
+        if fmt != BF16:
+            quantized_modules["routed_experts"][fmt] += 1  # one experts module per MoE layer
+    for module, fmt in non_expert_quantized.items():
+        quantized_modules[module_category(module)][fmt] += 1
+    if kv_layers:
+        quantized_modules["kv_cache"]["fp8"] = len(kv_layers)
 
     # ---- on-disk bytes
     files = []
@@ -580,6 +628,9 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
         "routed_effective_bits": effective_bits,
         "routed_storage_bits": routed_bytes * 8 / total_numel if total_numel else None,
         "kv_scale_layers": sorted(kv_layers),
+        "quantized_modules": {cat: dict(sorted(c.items())) for cat, c in sorted(quantized_modules.items())},
+        "quantized_module_count": sum(sum(c.values()) for c in quantized_modules.values()),
+        "non_expert_formats": non_expert_quantized,
         "sha256": {QUANT_CONFIG_FILE: _sha256(quant_path), INDEX_FILE: _sha256(index_path)},
         "producer": (hf_quant_config or {}).get("producer"),
         "quant_config_check": quant_check,
@@ -634,6 +685,9 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         lines.append(f"sha256 {name}: {digest or 'absent'}")
     if report["layer_formats"]:
         lines.append("layers: " + " ".join(f"{k}:{v}" for k, v in report["layer_formats"].items()))
+    lines.append(f"quantized modules: {report['quantized_module_count']}")
+    for category, formats in report["quantized_modules"].items():
+        lines.append(f"  {category:<20}" + ", ".join(f"{fmt}={n}" for fmt, n in formats.items()))
     qc, ic = report["quant_config_check"], report["index_check"]
     lines.append(f"hf_quant_config vs tensors: {'ok' if qc['ok'] else 'DISAGREE'}")
     lines += [f"  - {d}" for d in qc["disagreements"]]

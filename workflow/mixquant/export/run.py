@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mixquant import faults
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.model.fetch import resolve_model_dir
 
@@ -116,6 +117,7 @@ def run_export_checkpoint(
             kv_amax=kv_amax,
             producer=settings["producer"],
         )
+        faults.point("shards-written", "export_checkpoint")  # the checkpoint written, not yet audited
         audit = checkpoint_audit(tmp, placement, export["kv_cache_quant"], settings["producer"], model_dir)
         if not all(audit["agreement"].values()):
             raise RuntimeError(f"checkpoint audit disagrees with the prediction: {audit['agreement']}")

@@ -150,8 +150,10 @@ def _fetch_artifact(
         pin = {"source": "hub", **hub, "trust_remote_code": remote_code}
         graph.add(name, "fetch_model", pin, pin, {})
         return
+    from mixquant.checkpoint.shards import check_links_inside
     from mixquant.model.fetch import identity_sha256, local_dir_identity
 
+    check_links_inside(local)  # no link out of the model directory is hashed, or read by a stage
     files = local_dir_identity(local, cache_dir=graph.hash_cache_dir)
     if pin is not None and identity_sha256(files) != pin:
         raise ValueError(

@@ -8,6 +8,7 @@ leaves at most a ``.tmp-*`` directory, never a half-written keyed one.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -19,8 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mixquant import faults
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
+from mixquant.rulelog import disk_full
 
 MANIFEST = "manifest.json"
 # Snakemake touches this file inside directory outputs to carry their mtime; it is not content.
@@ -160,11 +163,15 @@ def publish_keyed_dir(
     if canonical_sha256(preimage) != key:
         raise ValueError(f"{final_dir}: directory name is not the key of the given preimage")
     final_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(final_dir.parent, key)
     temporary = final_dir.parent / f".tmp-{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temporary.mkdir()
+    stage = final_dir.parent.name
     try:
         yield temporary
+        faults.point("files-written", stage)
         write_manifest(temporary, preimage, summary)
+        faults.point("manifest-written", stage)
         if final_dir.exists():
             leftovers = [p.name for p in final_dir.iterdir() if p.name != SNAKEMAKE_TIMESTAMP]
             if leftovers:
@@ -172,6 +179,37 @@ def publish_keyed_dir(
             shutil.rmtree(final_dir)
         os.rename(temporary, final_dir)
         log.info("published %s", final_dir)
-    except BaseException:
+        faults.point("published", stage)
+    except BaseException as error:
+        written = _tree_bytes(temporary)
         shutil.rmtree(temporary, ignore_errors=True)
+        if disk_full(error):  # one line naming the keyed directory (rulelog adds what the job asks for)
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device (the stage had written {written / 1e6:.1f} MB; nothing published)",
+                str(final_dir),
+            ) from error
         raise
+
+
+def _remove_stale_temporaries(stage_dir: Path, key: str) -> None:
+    """Remove what a killed attempt at the same key left (``.tmp-<key>-<pid>-*`` of a process that is
+    gone): one run computes a key at a time (mixquant.store), so nothing else is writing it."""
+    for leftover in stage_dir.glob(f".tmp-{key[:16]}-*"):
+        try:
+            pid = int(leftover.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _tree_bytes(directory: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixquant import faults
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.model.fetch import resolve_model_dir
 
@@ -103,6 +104,7 @@ def run_quantize_layer(
                 device=settings.get("numerics", {}).get("device", "cpu"),
             )
             save_layer_result(tensors, audit, layer_result_dir(tmp, layer))
+            faults.point("layer-saved", "quantize_layer")
             per_layer[str(layer)] = {"tensors": len(tensors), "totals": audit.get("totals")}
             log.info(
                 "layer %d -> %s: %d tensors (%.2f s)", layer, fmt, len(tensors), time.perf_counter() - started

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mixquant import faults
 from mixquant.costs import STACK_LIMIT
 from mixquant.model.streaming import StreamedModel
 from mixquant.search.score import LayerQuant, kl_sum, quantized_experts
@@ -117,10 +118,12 @@ def _save_state(
         save_file({str(b): h.contiguous().cpu() for b, h in enumerate(states)}, str(tmp))
         os.replace(tmp, state_dir / file)
         files[name] = file
+        faults.point("stream-state-saved", "score_sensitivity")  # a stream saved, progress.json not yet
     progress = {"state_key": state_key, "next_layer": next_layer, "micro_batches": len(ref), "files": files}
     tmp = state_dir / f".{PROGRESS_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(progress, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, state_dir / PROGRESS_FILE)
+    faults.point("progress-saved", "score_sensitivity")
     for stale in state_dir.glob("*.safetensors"):  # an earlier layer's states
         if stale.name not in files.values():
             stale.unlink(missing_ok=True)

@@ -223,8 +223,49 @@ def _expert_templates(conversions, converter_type, tensors: Mapping[str, Any], l
 def architecture(config: Mapping[str, Any] | str | Path) -> Architecture:
     """The :class:`Architecture` of a config.json (a dict, a path to the file or to its directory)."""
     if not isinstance(config, Mapping):
+        from mixquant.jsonio import read_json
+
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = read_json(path, "config.json", error=UnsupportedArchitecture, max_bytes=1 << 20)
+        if not isinstance(config, dict):
+            raise UnsupportedArchitecture(f"{path}: config.json is not a JSON object")
+    check_sizes(config)
     return _architecture(json.dumps(config, sort_keys=True))
+
+
+# Upper bounds of a config.json's sizes, far beyond any published model (DeepSeek-V3: 61 layers, 7168
+# hidden, 256 experts; Qwen3: 151,936 tokens): a config beyond them is refused before transformers
+# builds anything from it.
+SIZE_LIMITS = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "moe_intermediate_size": 1 << 18,
+    "shared_expert_intermediate_size": 1 << 18,
+    "vocab_size": 1 << 23,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "num_experts": 1 << 14,
+    "n_routed_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 10,
+    "n_shared_experts": 64,
+    "q_lora_rank": 1 << 16,
+    "kv_lora_rank": 1 << 16,
+    "max_position_embeddings": 1 << 24,
+}
+
+
+def check_sizes(config: Mapping[str, Any]) -> None:
+    """One line naming the first size of ``config`` that is not a whole number within SIZE_LIMITS."""
+    for key, limit in SIZE_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or not 0 < value <= limit:
+            raise UnsupportedArchitecture(
+                f"config.json {key}: {str(value)[:40]!r} is not a whole number in 1..{limit}"
+            )

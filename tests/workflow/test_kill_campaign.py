@@ -1,0 +1,212 @@
+"""The kill campaign: SIGKILL the whole default workflow (Snakemake and every job) at named points across
+every stage kind, rerun, and again, until a rerun finishes; then its results equal a clean run's byte for
+byte. After every kill: no keyed directory is partial (each verifies against its manifest, or is the
+empty directory Snakemake makes for a job's output), and no stale lock keeps the rerun from starting.
+
+Points (mixquant.faults): inside a stage's computation (a quantized layer saved, a scoring stream's
+state saved before its progress file, the export's shards written before the audit), between a stage's
+files and its manifest, between the manifest and the publishing rename, after the rename before the job
+exits, at a run's start (locks taken, no job started) and at its end (every job done, Snakemake's
+bookkeeping not). Bookkeeping points without a hook are hit from outside: the harness kills the run the
+moment a new keyed directory of a stage appears, while Snakemake records the finished job.
+
+The campaign runs on one working directory, trial after trial (each kills a run that resumes what the
+previous ones left), taking the next point of the list whose stage still has jobs to do; the count of
+trials and what each found is printed (pytest -s) and asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_workdir
+from mixquant.faults import MARK_ENV, POINT_ENV
+from mixquant.keys.manifest import verify_manifest
+
+pytestmark = pytest.mark.slow
+
+KEY_LEN = 64
+# a score job saves its states after every layer (not every 10 minutes), so that a kill mid-pass
+# resumes from them; not part of any key: the results stay the clean run's
+SAVE_EVERY_LAYER = "placement={search: {checkpoint_interval_s: 0}}"
+# (kind, point, stage) in about the order the default DAG reaches them; "hook" stops a process at a
+# mixquant.faults point, "appear" kills when the stage's next keyed directory appears
+POINTS = [
+    ("hook", "run-start", "snakemake"),
+    ("hook", "files-written", "sample_calibration"),
+    ("hook", "manifest-written", "pin_prompt"),
+    ("hook", "published", "sample_calibration"),
+    ("hook", "files-written", "collect_activation_stats"),
+    ("appear", None, "pin_prompt"),
+    ("hook", "manifest-written", "reference_logits"),
+    ("hook", "layer-saved", "quantize_layer"),
+    ("hook", "manifest-written", "quantize_layer"),
+    ("appear", None, "collect_activation_stats"),
+    ("hook", "published", "quantize_layer"),
+    ("hook", "stream-state-saved", "score_sensitivity"),
+    ("hook", "progress-saved", "score_sensitivity"),
+    ("hook", "files-written", "score_sensitivity"),
+    ("appear", None, "quantize_layer"),
+    ("hook", "published", "score_sensitivity"),
+    ("hook", "manifest-written", "solve_placement"),
+    ("hook", "published", "solve_placement"),
+    ("hook", "shards-written", "export_checkpoint"),
+    ("hook", "manifest-written", "export_checkpoint"),
+    ("hook", "files-written", "run_kld"),
+    ("appear", None, "export_checkpoint"),
+    ("hook", "published", "run_kld"),
+    ("hook", "manifest-written", "run_kld"),
+    ("appear", None, "run_kld"),
+    ("hook", "files-written", "gate_kld"),
+    ("hook", "published", "kld_report"),
+    ("hook", "manifest-written", "check_kld_gates"),
+    ("hook", "files-written", "verify_hashes"),
+    ("hook", "manifest-written", "assemble_release"),
+    ("hook", "published", "assemble_release"),
+    ("hook", "run-end", "snakemake"),
+]
+
+
+def keyed_dirs(results: Path) -> dict[str, list[Path]]:
+    out: dict[str, list[Path]] = {}
+    for stage in sorted(p for p in results.iterdir() if p.is_dir() and p.name not in ("logs", "benchmarks")):
+        out[stage.name] = sorted(p for p in stage.iterdir() if len(p.name) == KEY_LEN and p.is_dir())
+    return out
+
+
+def published(results: Path, stage: str) -> int:
+    stage_dir = results / stage
+    if not stage_dir.is_dir():
+        return 0
+    return sum(1 for p in stage_dir.iterdir() if len(p.name) == KEY_LEN and (p / "manifest.json").is_file())
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process below it (from /proc), and every process of its session."""
+    parents: dict[int, int] = {}
+    sessions: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)], sessions[int(entry.name)] = int(fields[1]), int(fields[3])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return tree | {pid for pid, sid in sessions.items() if sid == root}
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """Freeze then SIGKILL the run's whole process tree, as a lost node would stop it, and reap it."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for _ in range(3):  # a process forked while the previous pass ran is caught by the next one
+            for pid in process_tree(proc.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(process_tree(proc.pid)) > 1:
+        time.sleep(0.1)
+
+
+def check_no_partial_keyed_dir(results: Path) -> list[str]:
+    problems = []
+    for stage, dirs in keyed_dirs(results).items():
+        for directory in dirs:
+            contents = [p.name for p in directory.iterdir() if p.name != ".snakemake_timestamp"]
+            if not contents:
+                continue  # the empty output directory Snakemake makes before a job starts
+            if problems_here := verify_manifest(directory):
+                problems.append(f"{stage}/{directory.name[:12]}: {problems_here[0]}")
+    return problems
+
+
+def run_trial(wd: Path, kind: str, point: str | None, stage: str, log: Path) -> tuple[str, float]:
+    """One run of the workflow, killed at the point: ("killed" | "finished" | "failed rc", seconds)."""
+    mark = wd / "fault.mark"
+    mark.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in (POINT_ENV, MARK_ENV)}
+    if kind == "hook":
+        env.update({POINT_ENV: f"{point}@{stage}", MARK_ENV: str(mark)})
+    before = published(wd / "results", stage) if kind == "appear" else 0
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "2", "--config", SAVE_EVERY_LAYER],
+            cwd=wd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        while True:
+            time.sleep(0.02)
+            hit = mark.exists() if kind == "hook" else published(wd / "results", stage) > before
+            if hit:
+                kill_run(proc)
+                return "killed", time.monotonic() - started
+            if proc.poll() is not None:
+                outcome = "finished" if proc.returncode == 0 else f"failed rc {proc.returncode}"
+                return outcome, time.monotonic() - started
+
+
+def test_the_kill_campaign(built_workdir, tmp_path, capsys):
+    wd = make_workdir(tmp_path / "wd").root
+    reference = built_workdir.root / "results"
+    expected_jobs = {stage: len(dirs) for stage, dirs in keyed_dirs(reference).items()}
+    rows, failures = [], []
+    for index, (kind, point, stage) in enumerate(POINTS):
+        last = index == len(POINTS) - 1
+        if stage != "snakemake" and published(wd / "results", stage) >= expected_jobs.get(stage, 0):
+            rows.append((kind, point, stage, "skipped: stage done", 0.0))
+            continue
+        outcome, seconds = run_trial(wd, kind, point, stage, tmp_path / f"trial{index:02}.log")
+        rows.append((kind, point, stage, outcome, seconds))
+        if outcome != "killed":
+            if not (last and outcome == "finished"):
+                failures.append(f"trial {index} ({point or kind}@{stage}): {outcome}")
+            break
+        if partial := check_no_partial_keyed_dir(wd / "results"):
+            failures.append(f"trial {index} ({point or kind}@{stage}): partial keyed directory: {partial}")
+    # the run that finishes the work, with no fault armed
+    final, seconds = run_trial(wd, "appear", None, "none-such-stage", tmp_path / "final.log")
+    rows.append(("final", None, "-", final, seconds))
+    killed = sum(1 for row in rows if row[3] == "killed")
+    with capsys.disabled():
+        print(f"\nkill campaign: {killed} kills, {len(failures)} failures")
+        for kind, point, stage, outcome, secs in rows:
+            print(f"  {kind:6} {point or '-':20} {stage:26} {outcome:22} {secs:6.1f} s")
+    assert not failures, failures
+    assert final == "finished", (tmp_path / "final.log").read_text()[-3000:]
+    assert killed >= 20
+    # nothing half-done is left, and every result equals the clean run's bytes
+    leftovers = sorted(str(p.relative_to(wd)) for p in (wd / "results").glob("*/.tmp-*"))
+    assert leftovers == []
+    ours, theirs = keyed_dirs(wd / "results"), keyed_dirs(reference)
+    assert {s: [d.name for d in ds] for s, ds in ours.items()} == {
+        s: [d.name for d in ds] for s, ds in theirs.items()
+    }
+    differing = []
+    for stage, dirs in theirs.items():
+        for directory in dirs:
+            for file in sorted(
+                p for p in directory.rglob("*") if p.is_file() and p.name != ".snakemake_timestamp"
+            ):
+                mine = wd / "results" / stage / directory.name / file.relative_to(directory)
+                if not mine.is_file() or mine.read_bytes() != file.read_bytes():
+                    differing.append(str(mine.relative_to(wd)))
+    assert differing == []
