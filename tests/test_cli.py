@@ -208,3 +208,18 @@ def test_a_failed_check_exits_1_whichever_command_runs_it(monkeypatch, capsys, c
     monkeypatch.setattr(cli, "cmd_run", broken)
     monkeypatch.setattr(cli, "cmd_verify", broken)
     assert main(command) == 2
+
+
+def test_dotted_config_keys_become_the_mapping_snakemake_takes():
+    """`mixquant plan -- --config calibration.num_samples=8` works: Snakemake's own parser refuses dotted
+    keys, so mixquant hands it `calibration={num_samples: "8"}` (the config reads "8" as the number)."""
+    from mixquant.cli import nested_config_args
+
+    assert nested_config_args(["--config", "calibration.num_samples=8", "a.b.c=x y", "seed=3", "target"]) == [
+        "--config",
+        'calibration={num_samples: "8"}',
+        'a={b: {c: "x y"}}',
+        "seed=3",
+        "target",
+    ]
+    assert nested_config_args(["--cores", "1", "results/x.y=z"]) == ["--cores", "1", "results/x.y=z"]

@@ -196,7 +196,7 @@ def test_a_finished_run_names_the_release_and_the_checkpoint(tmp_path):
     release = _artifact(tmp_path, "release", "assemble_release", "a" * 64, True)
     checkpoint = _artifact(tmp_path, "checkpoint", "export_checkpoint", "b" * 64, True)
     assert run_end_lines({"checkpoint": checkpoint, "release": release}) == [
-        f"mixquant run release: {release.path}",
+        f"mixquant run release: {release.path}/repo",  # the directory to publish
         f"mixquant run checkpoint: {checkpoint.path}",
     ]
     stopped = run_end_lines({"checkpoint": checkpoint}, succeeded=False)

@@ -83,7 +83,9 @@ def _release(upstream, tmp_path, **changes):
 
 
 def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
-    out = _release(upstream, tmp_path)
+    keyed = _release(upstream, tmp_path)
+    out = keyed / "repo"  # what is published: only a model repository's files, the bookkeeping beside it
+    assert sorted(p.name for p in keyed.iterdir()) == ["manifest.json", "repo"]
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == sorted(
         [
@@ -91,7 +93,6 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
             "checkpoint_audit.json",
             "config.json",
             "hf_quant_config.json",
-            "manifest.json",
             "model-00001-of-00001.safetensors",
             "model.safetensors.index.json",
             "numerics.json",
@@ -102,7 +103,7 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
             *(f"kld/{c}.{kv}.json" for c in CANDIDATES for kv in KV),
         ]
     )
-    assert verify_manifest(out) == []
+    assert verify_manifest(keyed) == []
     shard = "model-00001-of-00001.safetensors"
     assert os.path.samefile(out / shard, upstream["checkpoint"] / shard)  # hardlinked, not copied
     gate = json.loads((out / "kld/searched.fp8.json").read_text())
@@ -112,7 +113,7 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
     assert "`kld/bf16.fp8.json`" in card and "`quantization_recipe.yaml`" in card
     recipe = load_recipe(out / "quantization_recipe.yaml")
     assert recipe.placement.source == "explicit"
-    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    summary = json.loads((keyed / "manifest.json").read_text())["summary"]
     assert set(summary["hashes"]) == {
         "prompt_token_ids",
         "reference_logits",
@@ -126,7 +127,8 @@ def test_release_ships_the_reference_logits_and_the_decisive_fingerprint(upstrea
     from mixquant.release.hashes import reference_logits_hash
     from mixquant.release.verify import published_logits
 
-    out = _release(upstream, tmp_path)
+    keyed = _release(upstream, tmp_path)
+    out = keyed / "repo"
     reference = upstream["reference"]
     assert os.path.samefile(out / "reference/logits.safetensors", reference / "logits.safetensors")
     assert json.loads((out / "numerics.json").read_text()) == decisive  # what published.numerics takes
@@ -136,15 +138,17 @@ def test_release_ships_the_reference_logits_and_the_decisive_fingerprint(upstrea
     # no host details in the release: only the fingerprint's decisive part
     assert shipped["numerics"] == {"decisive": decisive} and "host" in recorded["numerics"]
     assert shipped["engine"]["numerics"] == {"decisive": decisive}
-    assert json.loads((out / "manifest.json").read_text())["summary"]["numerics"] == decisive
-    # `mixquant verify --against RELEASE` finds the logits and the fingerprint there
-    logits, _, numerics = published_logits(out)
-    assert logits == out / "reference/logits.safetensors" and numerics == decisive
+    assert json.loads((keyed / "manifest.json").read_text())["summary"]["numerics"] == decisive
+    # `mixquant verify --against RELEASE` finds the logits and the fingerprint there (the published repo
+    # or the keyed directory around it)
+    for against in (out, keyed):
+        logits, _, numerics = published_logits(against)
+        assert logits == out / "reference/logits.safetensors" and numerics == decisive
     card = (out / "README.md").read_text()
     assert "- Numerics fingerprint of the BF16 reference logits (`numerics.json`" in card
     assert "ATen CPU capability AVX2" in card and "AMD EPYC" not in card
     assert "`reference/logits.safetensors`" in card and "`numerics.json`" in card
-    assert _release(upstream, tmp_path / "again").joinpath("README.md").read_text() == card
+    assert _release(upstream, tmp_path / "again").joinpath("repo", "README.md").read_text() == card
 
 
 def test_a_reference_without_a_fingerprint_is_refused(upstream, tmp_path, release_dirs, reference_writer):

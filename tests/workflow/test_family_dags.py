@@ -81,4 +81,4 @@ def test_the_whole_dag_runs_on_a_family(workdir, model_type):
     assert {prefix.split(".")[2]: algo for prefix, algo in resolved.items()} == {
         layer: algos[fmt] for layer, fmt in placement.items()
     }
-    assert (root / paths["release"]["path"] / "README.md").is_file()
+    assert (root / paths["release"]["path"] / "repo" / "README.md").is_file()

@@ -29,11 +29,14 @@ def _dir(wd, paths, name):
 def test_release_bundle(built_workdir):
     wd = built_workdir
     paths = wd.paths()
-    release, checkpoint = _dir(wd, paths, "release"), _dir(wd, paths, "checkpoint")
-    assert paths["release"]["done"] and verify_manifest(release) == []
+    keyed, checkpoint = _dir(wd, paths, "release"), _dir(wd, paths, "checkpoint")
+    assert paths["release"]["done"] and verify_manifest(keyed) == []
+    # what is published is repo/: a model repository's files, mixquant's bookkeeping beside it
+    release = keyed / "repo"
+    assert sorted(p.name for p in keyed.iterdir()) == [".snakemake_timestamp", "manifest.json", "repo"]
     # the checkpoint, byte for byte, and the bundle's own files
     shipped = read_manifest(checkpoint)["files"]
-    bundle = read_manifest(release)["files"]
+    bundle = {name.removeprefix("repo/"): row for name, row in read_manifest(keyed)["files"].items()}
     assert {name: bundle[name] for name in shipped} == shipped
     extra = sorted(set(bundle) - set(shipped))
     gates = [
@@ -78,7 +81,8 @@ def test_replay_from_the_recipe_alone(built_workdir, workdir):
     files."""
     wd, rebuild = built_workdir, workdir
     paths = wd.paths()
-    release, checkpoint = _dir(wd, paths, "release"), _dir(wd, paths, "checkpoint")
+    keyed, checkpoint = _dir(wd, paths, "release"), _dir(wd, paths, "checkpoint")
+    release = keyed / "repo"
 
     shutil.copyfile(release / RECIPE, rebuild.root / RECIPE)
     replayed = rebuild.paths(RECIPE)
@@ -104,7 +108,7 @@ def test_replay_from_the_recipe_alone(built_workdir, workdir):
     assert read_manifest(again)["files"] == read_manifest(checkpoint)["files"]  # every file, shards included
     # the published checkpoint hashes of the replay are the release's
     replay_hashes = release_hashes(_dir(wd, paths, "prompt"), _dir(wd, paths, "reference_logits"), again)
-    released = read_manifest(release)["summary"]["hashes"]
+    released = read_manifest(keyed)["summary"]["hashes"]
     for name in ("quant_config", "safetensors_index"):
         assert (
             replay_hashes[name].sha256

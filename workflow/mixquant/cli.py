@@ -146,6 +146,24 @@ def parse_dry_run(text: str) -> dict[str, dict[str, Any]]:
     return rules
 
 
+def nested_config_args(args: list[str]) -> list[str]:
+    """Snakemake arguments with each dotted ``--config`` entry (``calibration.num_samples=8``, which
+    Snakemake's parser refuses) written as the nested mapping it takes (``calibration={num_samples: 8}``)."""
+    out, in_config = [], False
+    for arg in args:
+        if arg.startswith("-"):
+            in_config = arg in ("--config", "-C")
+        elif in_config and "=" in arg and "." in arg.split("=", 1)[0]:
+            key, value = arg.split("=", 1)
+            first, *rest = key.split(".")
+            nested = json.dumps(value)
+            for part in reversed(rest):
+                nested = f"{{{part}: {nested}}}"
+            arg = f"{first}={nested}"
+        out.append(arg)
+    return out
+
+
 def dry_run(configfile: str | None, extra: list[str], profile: str | None = None) -> str:
     command = [sys.executable, "-m", "snakemake", "-n"]
     command += ["--profile", profile] if profile else ["--cores", "1"]
@@ -159,7 +177,7 @@ def dry_run(configfile: str | None, extra: list[str], profile: str | None = None
         command += ["--software-deployment-method", "env-modules"]
     if configfile:
         command += ["--configfile", configfile]
-    result = subprocess.run(command + extra, capture_output=True, text=True)
+    result = subprocess.run(command + nested_config_args(extra), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"snakemake -n failed: {snakemake_error(result.stdout, result.stderr)}")
     return result.stdout + result.stderr

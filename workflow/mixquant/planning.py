@@ -271,9 +271,11 @@ def artifact_state(art: Artifact, results_dir: str | Path) -> str:
 
 def run_end_lines(artifacts: dict[str, Artifact], succeeded: bool = True) -> list[str]:
     """What a finished run prints: where the release and the checkpoint are (those that are built)."""
+    from mixquant.release.bundle import REPO_DIR
+
     lines = [
-        f"mixquant run {label}: {artifacts[name].path}"
-        for name, label in (("release", "release"), ("checkpoint", "checkpoint"))
+        f"mixquant run {label}: {artifacts[name].path}{suffix}"
+        for name, label, suffix in (("release", "release", f"/{REPO_DIR}"), ("checkpoint", "checkpoint", ""))
         if name in artifacts and artifacts[name].done
     ]
     if not succeeded:

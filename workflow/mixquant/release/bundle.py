@@ -1,6 +1,12 @@
 """Stage entry point for assemble_release: the release directory users download.
 
-Layout (a Hugging Face model repository)::
+The keyed directory holds mixquant's bookkeeping (``manifest.json``, Snakemake's ``.snakemake_timestamp``)
+beside ``repo/``, the directory to publish -- only what a model repository holds::
+
+    results/assemble_release/<key>/manifest.json       bookkeeping (not published)
+    results/assemble_release/<key>/repo/               e.g. huggingface-cli upload ORG/NAME .../repo
+
+``repo/`` (a Hugging Face model repository)::
 
     model-0000k-of-0000N.safetensors, model.safetensors.index.json, config.json,
     hf_quant_config.json, tokenizer files, ...   the checkpoint (hardlinked from export_checkpoint)
@@ -43,6 +49,7 @@ from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
+REPO_DIR = "repo"  # the publishable directory inside the keyed one
 KLD_DIR = "kld"
 _SKIPPED = {MANIFEST, SNAKEMAKE_TIMESTAMP}
 
@@ -57,6 +64,12 @@ def _keyed_dir(path: str | Path, what: str) -> Path:
     if not (directory / MANIFEST).is_file():
         raise ReleaseInputError(f"{what} {directory}: not a finished mixquant output (no {MANIFEST})")
     return directory
+
+
+def release_repo(release_dir: str | Path) -> Path:
+    """The publishable directory of an assemble_release output (or ``release_dir`` if it is one)."""
+    release_dir = Path(release_dir)
+    return release_dir / REPO_DIR if (release_dir / REPO_DIR).is_dir() else release_dir
 
 
 def link_or_copy(source: Path, target: Path) -> None:
@@ -204,7 +217,9 @@ def run_assemble_release(
         f"Checkpoint key: {upstream_keys['checkpoint']}",
     ]
     summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
+    with publish_keyed_dir(out_dir, preimage, summary) as keyed:
+        tmp = keyed / REPO_DIR
+        tmp.mkdir()
         for relative in checkpoint_files(checkpoint_dir):
             link_or_copy(checkpoint_dir / relative, tmp / relative)
         (tmp / RECIPE_FILE).write_text(recipe_yaml(recipe, header), encoding="utf-8")

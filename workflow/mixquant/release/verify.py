@@ -324,7 +324,11 @@ def published_logits(against: str | Path) -> tuple[Path, Path, dict[str, Any] | 
     (reference/logits.safetensors + reference/reference.json, numerics.json) or a logits file (its
     record, if any, beside it). The fingerprint is the record's, else the release's numerics.json.
     """
+    from mixquant.release.bundle import release_repo
+
     path = Path(against)
+    if path.is_dir():
+        path = release_repo(path)  # an assemble_release output: its repo/
     if path.is_file():
         logits, record = path, path.parent
     elif (path / LOGITS_FILE).is_file():
