@@ -41,11 +41,11 @@ SAVE_EVERY_LAYER = "placement={search: {checkpoint_interval_s: 0}}"
 # mixquant.faults point, "appear" kills when the stage's next keyed directory appears
 POINTS = [
     ("hook", "run-start", "snakemake"),
-    ("hook", "files-written", "sample_calibration"),
+    ("hook", "files-written", "fetch_model"),
     ("hook", "manifest-written", "pin_prompt"),
+    ("hook", "files-written", "sample_calibration"),
     ("hook", "published", "sample_calibration"),
     ("hook", "files-written", "collect_activation_stats"),
-    ("appear", None, "pin_prompt"),
     ("hook", "manifest-written", "reference_logits"),
     ("hook", "layer-saved", "quantize_layer"),
     ("hook", "manifest-written", "quantize_layer"),
@@ -60,6 +60,7 @@ POINTS = [
     ("hook", "published", "solve_placement"),
     ("hook", "shards-written", "export_checkpoint"),
     ("hook", "manifest-written", "export_checkpoint"),
+    ("hook", "files-written", "verify_hashes"),
     ("hook", "files-written", "run_kld"),
     ("appear", None, "export_checkpoint"),
     ("hook", "published", "run_kld"),
@@ -68,7 +69,6 @@ POINTS = [
     ("hook", "files-written", "gate_kld"),
     ("hook", "published", "kld_report"),
     ("hook", "manifest-written", "check_kld_gates"),
-    ("hook", "files-written", "verify_hashes"),
     ("hook", "manifest-written", "assemble_release"),
     ("hook", "published", "assemble_release"),
     ("hook", "run-end", "snakemake"),
@@ -208,9 +208,14 @@ def test_the_kill_campaign(built_workdir, tmp_path, capsys):
     leftovers = sorted(str(p.relative_to(wd)) for p in (wd / "results").glob("*/.tmp-*"))
     assert leftovers == []
     ours = {f"results/{stage}/{d.name}" for stage, dirs in keyed_dirs(wd / "results").items() for d in dirs}
-    assert ours == set(clean)  # every output of the clean run, and nothing else
+    # The release's key holds the whole resolved recipe, this campaign's checkpoint_interval_s: 0 included
+    # (a setting no other key holds), so it is the one output whose key differs from the clean run's.
+    clean_release = next(path for path, stage in clean.items() if stage == "assemble_release")
+    our_release = sorted(path for path in ours if path.startswith("results/assemble_release/"))
+    assert len(our_release) == 1 and verify_manifest(wd / our_release[0]) == []
+    assert ours - set(our_release) == set(clean) - {clean_release}  # every other output, nothing else
     differing = []
-    for path in sorted(clean):
+    for path in sorted(set(clean) - {clean_release}):
         reference = built_workdir.root / path
         for file in sorted(
             p for p in reference.rglob("*") if p.is_file() and p.name != ".snakemake_timestamp"
@@ -218,4 +223,12 @@ def test_the_kill_campaign(built_workdir, tmp_path, capsys):
             mine = wd / path / file.relative_to(reference)
             if not mine.is_file() or mine.read_bytes() != file.read_bytes():
                 differing.append(str(mine.relative_to(wd)))
+    # the release's repo/ is the clean run's, but for the recipe (and the card quoting it)
+    reference = built_workdir.root / clean_release / "repo"
+    for file in sorted(p for p in reference.rglob("*") if p.is_file()):
+        if file.name in ("quantization_recipe.yaml", "README.md"):
+            continue
+        mine = wd / our_release[0] / "repo" / file.relative_to(reference)
+        if not mine.is_file() or mine.read_bytes() != file.read_bytes():
+            differing.append(str(mine.relative_to(wd)))
     assert differing == []

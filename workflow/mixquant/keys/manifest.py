@@ -51,7 +51,15 @@ def file_inventory(directory: Path) -> dict[str, dict[str, Any]]:
 # Summary entries that describe one run rather than the content (timings, rates): logged, never written,
 # so that a keyed directory's bytes, manifest included, are the same on every machine and every run.
 RUN_FACTS = frozenset(
-    {"seconds", "engine_seconds", "stats_seconds", "timings_s", "write_rate_bytes_per_s", "created_utc"}
+    {
+        "seconds",
+        "engine_seconds",
+        "stats_seconds",
+        "timings_s",
+        "write_rate_bytes_per_s",
+        "created_utc",
+        "layer_loads",  # layers a score job read: fewer when it resumed from saved states (the kill campaign)
+    }
 )
 
 
