@@ -336,10 +336,9 @@ def release_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
 def disk_space_warning(results_dir: str | Path, bytes_to_write: int, free: int | None = None) -> str | None:
     """A warning when a plan writes more than the results filesystem has free (None when it fits)."""
     if free is None:
-        probe = Path(results_dir).absolute()
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+        from mixquant.rulelog import existing_ancestor
+
+        free = shutil.disk_usage(existing_ancestor(Path(results_dir).absolute())).free
     if bytes_to_write <= free:
         return None
     return (
@@ -357,7 +356,8 @@ def active_run_line(snakemake_dir: str | Path = ".snakemake") -> str | None:
         return None
     if pid == os.getpid() or owner.get("host") != socket.gethostname():
         return None
-    if _process_start(pid) is None or _process_start(pid) != owner.get("start"):
+    start = _process_start(pid)
+    if start is None or start != owner.get("start"):
         return None
     return (
         f"mixquant: this working directory is in use by the run of pid {pid} on {owner['host']}; "

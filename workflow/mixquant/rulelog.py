@@ -43,13 +43,19 @@ def disk_full(error: BaseException) -> OSError | bool:
     return False
 
 
+def existing_ancestor(path: str | Path) -> Path:
+    """``path`` or its nearest existing parent (whose filesystem a path not yet made will live on)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
 def disk_full_line(error: BaseException, log_path: str | Path, resources: Any = None) -> str:
     """One line for a job that ran out of disk: where, what the job asks for, what is free there."""
     full = disk_full(error)
     where = Path(getattr(full, "filename", None) or Path(log_path).parent)
-    probe = where if where.is_dir() else where.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = existing_ancestor(where if where.is_dir() else where.parent)
     free = shutil.disk_usage(probe).free
     wanted = getattr(resources, "disk_mb", None) if resources is not None else None
     needs = f"this job asks for {int(wanted)} MB of disk" if wanted else "this job needs more"
