@@ -9,6 +9,26 @@ from mixquant.numerics import apply_environment
 # any test module imports torch, so the hashes tests compare are the ones any AVX2 host produces.
 apply_environment("portable", 1)
 
+# The order pytest-xdist hands test files to its two workers (pyproject: --dist loadfile
+# --no-loadscope-reorder): the longest first, so that no long file starts last. The kill campaign first (it
+# builds the session's default run, then runs about 9 minutes), then the family DAGs (they need no default
+# run: the other worker's work while it is built), then the other workflow tests, then the unit tests.
+FIRST_FILES = (
+    "tests/workflow/test_kill_campaign.py",
+    "tests/workflow/test_family_dags.py",
+    "tests/workflow/",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next(
+            (i for i, prefix in enumerate(FIRST_FILES) if item.nodeid.startswith(prefix)), len(FIRST_FILES)
+        )
+
+    items.sort(key=rank)  # stable: within a rank, pytest's own order
+
+
 # Dense layer 0 + 4 MoE layers of 16 experts (top-2), every matrix input a multiple of 16 (NVFP4 blocks).
 SMALL_LAGUNA = {
     "vocab_size": 128,

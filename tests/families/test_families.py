@@ -69,6 +69,50 @@ def test_the_architecture_is_transformers_own(instance):
     )
 
 
+def test_the_architecture_cache_returns_what_transformers_derives(instance, tmp_path, monkeypatch):
+    """A workflow start reads the derived architecture from .snakemake/mixquant-architectures: the same
+    object as the derivation; a damaged entry or another transformers version derives it again."""
+    import mixquant.model.families as families
+
+    derived = architecture(instance)
+    cache = tmp_path / "architectures"
+    families.cache_architectures(cache)
+    try:
+        assert architecture(instance) == derived  # derived once more, and written
+        (entry,) = cache.glob("*.json")
+        families._cached_architecture.cache_clear()  # a new process: only the file is left
+
+        def underived(config_json):
+            raise AssertionError("derived although cached")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(families, "_architecture", underived)
+            cached = architecture(instance)
+        assert cached == derived and cached.tensors == derived.tensors
+        assert cached.expert_weight(cached.moe_layers[-1], 3, "down_proj") == derived.expert_weight(
+            derived.moe_layers[-1], 3, "down_proj"
+        )
+        entry.write_text('{"config": ')  # damaged (a full disk, an editor): derived again, rewritten
+        families._cached_architecture.cache_clear()
+        assert architecture(instance) == derived and json.loads(entry.read_text())["config"]
+        families._cached_architecture.cache_clear()
+        families._derivation_identity.cache_clear()
+        from importlib import metadata
+
+        real_version = metadata.version
+
+        def other_transformers(name):
+            return "0.0" if name == "transformers" else real_version(name)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(metadata, "version", other_transformers)
+            assert architecture(instance) == derived
+            assert len(list(cache.glob("*.json"))) == 2  # its own entry, beside the other version's
+    finally:
+        families.cache_architectures(None)
+        families._derivation_identity.cache_clear()
+
+
 def test_an_unsupported_type_names_itself_and_the_supported_ones():
     with pytest.raises(UnsupportedArchitecture) as error:
         architecture({"model_type": "llama"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -69,14 +70,39 @@ def workdir(tmp_path) -> Workdir:
     return make_workdir(tmp_path / "wd")
 
 
+@pytest.fixture
+def workdir_factory():
+    """``make_workdir`` for tests that need more than one scratch workflow directory."""
+    return make_workdir
+
+
 @pytest.fixture(scope="session")
 def built_workdir(tmp_path_factory) -> Workdir:
     """The default DAG run once, end to end on the shipped toy (about 3 minutes on 2 cores).
 
+    One build for the whole test session: under pytest-xdist the first worker that asks builds it in the
+    session's shared temporary directory while the others wait; each worker then works in its own copy
+    (its tests add their own results), checked by a Snakemake run that has nothing to do.
+
     MIXQUANT_TEST_RESULTS=<results dir of an earlier default run> seeds it (development only: the run
     still happens, and reruns every stage whose key changed since)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(shared / "e2e-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build = Workdir(shared / "e2e-build" / "wd")
+        if not (build.root / "built").is_file():
+            shutil.rmtree(build.root, ignore_errors=True)  # what a failed attempt left
+            build = make_workdir(build.root)
+            if seed := os.environ.get("MIXQUANT_TEST_RESULTS"):
+                shutil.rmtree(build.root / "results", ignore_errors=True)
+                shutil.copytree(seed, build.root / "results")
+            build.snakemake()
+            (build.root / "built").touch()
     wd = make_workdir(tmp_path_factory.mktemp("e2e") / "wd")
-    if seed := os.environ.get("MIXQUANT_TEST_RESULTS"):
-        shutil.copytree(seed, wd.root / "results")
+    # results (mtimes kept) and Snakemake's records of them, not its locks or the build's markers
+    shutil.copytree(build.root / "results", wd.root / "results")
+    skip = shutil.ignore_patterns("locks", "incomplete", "log")
+    shutil.copytree(build.root / ".snakemake", wd.root / ".snakemake", ignore=skip)
     wd.snakemake()
     return wd

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_workdir
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +40,8 @@ def unshare_works() -> bool:
 
 
 @pytest.mark.skipif(not unshare_works(), reason="needs unshare -rm (user and mount namespaces) for a tmpfs")
-def test_a_full_disk_stops_in_one_line_leaves_nothing_partial_and_the_rerun_succeeds(tmp_path):
-    wd = make_workdir(tmp_path / "wd")
+def test_a_full_disk_stops_in_one_line_leaves_nothing_partial_and_the_rerun_succeeds(workdir):
+    wd = workdir
     target = json.loads(wd.mixquant("paths", "--json").stdout)["reference_logits"]["path"]
     script = SCRIPT.format(py=sys.executable, target=target)
     (wd.root / "check.py").write_text(CHECK)

@@ -1,7 +1,13 @@
 """The kill campaign: SIGKILL the whole default workflow (Snakemake and every job) at named points across
 every stage kind, rerun, and again, until a rerun finishes; then its results equal a clean run's byte for
 byte. After every kill: no keyed directory is partial (each verifies against its manifest, or is the
-empty directory Snakemake makes for a job's output), and no stale lock keeps the rerun from starting.
+empty directory Snakemake makes for a job's output), the next run removes the killed run's lock and
+starts, and no result Snakemake had recorded as finished is built again.
+
+The campaign's working directory is also the second clone of the portability check: another absolute
+path, and every run started from a shell that exported what the numerics profile overrides (another ATen
+dispatch, MKL's host-dependent mode, more threads, oneDNN's widest ISA); its results are compared with
+the session's clean build, and they reproduce the four published hashes.
 
 Points (mixquant.faults): inside a stage's computation (a quantized layer saved, a scoring stream's
 state saved before its progress file, the export's shards written before the audit), between a stage's
@@ -17,6 +23,8 @@ trials and what each found is printed (pytest -s) and asserted.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import subprocess
@@ -27,46 +35,59 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import make_workdir
 from mixquant.faults import MARK_ENV, POINT_ENV
 from mixquant.keys.manifest import verify_manifest
 
 pytestmark = pytest.mark.slow
 
 KEY_LEN = 64
+# What a user's shell may export: another ATen dispatch (no SIMD), MKL's host-dependent mode, more
+# threads, dynamic MKL, oneDNN's widest ISA. The profile sets its own before torch is imported.
+HOSTILE = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "AUTO",
+    "OMP_NUM_THREADS": "2",
+    "MKL_NUM_THREADS": "2",
+    "MKL_DYNAMIC": "TRUE",
+    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+}
+LOCK_REMOVED = "removed the lock of a killed run"
 # a score job saves its states after every layer (not every 10 minutes), so that a kill mid-pass
 # resumes from them; not part of any key: the results stay the clean run's
 SAVE_EVERY_LAYER = "placement={search: {checkpoint_interval_s: 0}}"
-# (kind, point, stage) in about the order the default DAG reaches them; "hook" stops a process at a
-# mixquant.faults point, "appear" kills when the stage's next keyed directory appears
+# (kind, point, stage) in about the order the default DAG can first reach them (the BF16 candidate's KLD
+# runs and gates need only the reference logits); "hook" stops a process at a mixquant.faults point,
+# "appear" kills when the stage's next keyed directory appears. Each trial runs on one core and asks
+# Snakemake to prioritize the stage's next output (and so its inputs): the stage is reached before other
+# jobs finish it on the side.
 POINTS = [
     ("hook", "run-start", "snakemake"),
     ("hook", "files-written", "fetch_model"),
     ("hook", "manifest-written", "pin_prompt"),
+    ("hook", "manifest-written", "reference_logits"),
     ("hook", "files-written", "sample_calibration"),
+    ("hook", "files-written", "run_kld"),
     ("hook", "published", "sample_calibration"),
     ("hook", "files-written", "collect_activation_stats"),
-    ("hook", "manifest-written", "reference_logits"),
+    ("appear", None, "collect_activation_stats"),
+    ("hook", "manifest-written", "run_kld"),
+    ("hook", "files-written", "gate_kld"),
     ("hook", "layer-saved", "quantize_layer"),
     ("hook", "manifest-written", "quantize_layer"),
-    ("appear", None, "collect_activation_stats"),
+    ("appear", None, "run_kld"),
     ("hook", "published", "quantize_layer"),
+    ("appear", None, "quantize_layer"),
     ("hook", "stream-state-saved", "score_sensitivity"),
     ("hook", "progress-saved", "score_sensitivity"),
     ("hook", "files-written", "score_sensitivity"),
-    ("appear", None, "quantize_layer"),
     ("hook", "published", "score_sensitivity"),
     ("hook", "manifest-written", "solve_placement"),
     ("hook", "published", "solve_placement"),
     ("hook", "shards-written", "export_checkpoint"),
     ("hook", "manifest-written", "export_checkpoint"),
-    ("hook", "files-written", "verify_hashes"),
-    ("hook", "files-written", "run_kld"),
     ("appear", None, "export_checkpoint"),
     ("hook", "published", "run_kld"),
-    ("hook", "manifest-written", "run_kld"),
-    ("appear", None, "run_kld"),
-    ("hook", "files-written", "gate_kld"),
+    ("hook", "files-written", "verify_hashes"),
     ("hook", "published", "kld_report"),
     ("hook", "manifest-written", "check_kld_gates"),
     ("hook", "manifest-written", "assemble_release"),
@@ -87,6 +108,45 @@ def published(results: Path, stage: str) -> int:
     if not stage_dir.is_dir():
         return 0
     return sum(1 for p in stage_dir.iterdir() if len(p.name) == KEY_LEN and (p / "manifest.json").is_file())
+
+
+def marked_incomplete(directory: Path) -> set[str]:
+    """The outputs Snakemake marks incomplete (jobs started, not recorded as finished): its file persistence
+    names each marker by the urlsafe base64 of the output path, split into '@'-prefixed chunks."""
+    keys = set()
+    if not directory.is_dir():
+        return keys
+    for path in directory.rglob("*"):
+        if path.is_file() and path.name != "migration_underway":
+            encoded = "".join(part.removeprefix("@") for part in path.relative_to(directory).parts)
+            try:
+                keys.add(base64.urlsafe_b64decode(encoded).decode().rstrip("/"))
+            except (ValueError, UnicodeDecodeError):
+                continue  # a marker being written while we look
+    return keys
+
+
+def finished(wd: Path) -> dict[str, int]:
+    """Keyed directories Snakemake recorded as finished (published, no incomplete marker): manifest mtimes."""
+    running = marked_incomplete(wd / ".snakemake" / "incomplete")
+    out = {}
+    if not (wd / "results").is_dir():
+        return out
+    for dirs in keyed_dirs(wd / "results").values():
+        for directory in dirs:
+            rel = str(directory.relative_to(wd))
+            if (directory / "manifest.json").is_file() and rel not in running:
+                out[rel] = (directory / "manifest.json").stat().st_mtime_ns
+    return out
+
+
+def next_output(wd: Path, reference: Path, clean: dict[str, str], stage: str) -> list[str]:
+    """The output of ``stage`` the clean run finished first among those not published here yet (the one
+    with the fewest inputs to build first); none for the release, whose key is the campaign's own."""
+    pending = [p for p, of in clean.items() if of == stage and not (wd / p / "manifest.json").is_file()]
+    if stage == "assemble_release" or not pending:
+        return []
+    return [min(pending, key=lambda p: (reference / p / "manifest.json").stat().st_mtime_ns)]
 
 
 def process_tree(root: int) -> set[int]:
@@ -137,18 +197,22 @@ def check_no_partial_keyed_dir(results: Path) -> list[str]:
     return problems
 
 
-def run_trial(wd: Path, kind: str, point: str | None, stage: str, log: Path) -> tuple[str, float]:
+def run_trial(
+    wd: Path, kind: str, point: str | None, stage: str, log: Path, prioritize: list[str] = ()
+) -> tuple[str, float]:
     """One run of the workflow, killed at the point: ("killed" | "finished" | "failed rc", seconds)."""
     mark = wd / "fault.mark"
     mark.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in (POINT_ENV, MARK_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (POINT_ENV, MARK_ENV)} | HOSTILE
     if kind == "hook":
         env.update({POINT_ENV: f"{point}@{stage}", MARK_ENV: str(mark)})
     before = published(wd / "results", stage) if kind == "appear" else 0
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "snakemake", "--cores", "2", "--config", SAVE_EVERY_LAYER],
+            [sys.executable, "-m", "snakemake", "--cores", "1"]
+            + (["--prioritize", *prioritize] if prioritize else [])
+            + ["--config", SAVE_EVERY_LAYER],
             cwd=wd,
             env=env,
             stdout=out,
@@ -166,20 +230,34 @@ def run_trial(wd: Path, kind: str, point: str | None, stage: str, log: Path) -> 
                 return outcome, time.monotonic() - started
 
 
-def test_the_kill_campaign(built_workdir, tmp_path, capsys):
-    wd = make_workdir(tmp_path / "wd").root
+def test_the_kill_campaign(built_workdir, workdir, tmp_path, capsys):
+    wd = workdir.root
     # the clean run's outputs of the default config (the shared run may also hold other tests' outputs)
     clean = {row["path"]: row["stage"] for row in built_workdir.paths().values()}
     assert all(row["done"] for row in built_workdir.paths().values())
     expected_jobs = Counter(clean.values())
     rows, failures = [], []
+    after_kill = False
+
+    def check_rerun(name: str, log: Path, kept: dict[str, int]) -> None:
+        """The run after a kill removed the killed run's lock; nothing recorded as finished was rebuilt."""
+        if after_kill and LOCK_REMOVED not in log.read_text():
+            failures.append(f"{name}: the killed run's lock was not removed")
+        now = finished(wd)
+        if rebuilt := sorted(rel for rel, mtime in kept.items() if now.get(rel) != mtime):
+            failures.append(f"{name}: finished results built again: {rebuilt}")
+
     for index, (kind, point, stage) in enumerate(POINTS):
         last = index == len(POINTS) - 1
         if stage != "snakemake" and published(wd / "results", stage) >= expected_jobs.get(stage, 0):
             rows.append((kind, point, stage, "skipped: stage done", 0.0))
             continue
-        outcome, seconds = run_trial(wd, kind, point, stage, tmp_path / f"trial{index:02}.log")
+        kept, log = finished(wd), tmp_path / f"trial{index:02}.log"
+        first = next_output(wd, built_workdir.root, clean, stage)
+        outcome, seconds = run_trial(wd, kind, point, stage, log, first)
         rows.append((kind, point, stage, outcome, seconds))
+        check_rerun(f"trial {index} ({point or kind}@{stage})", log, kept)
+        after_kill = outcome == "killed"
         if outcome != "killed":
             if not (last and outcome == "finished"):
                 failures.append(f"trial {index} ({point or kind}@{stage}): {outcome}")
@@ -187,8 +265,10 @@ def test_the_kill_campaign(built_workdir, tmp_path, capsys):
         if partial := check_no_partial_keyed_dir(wd / "results"):
             failures.append(f"trial {index} ({point or kind}@{stage}): partial keyed directory: {partial}")
     # the run that finishes the work, with no fault armed
+    kept = finished(wd)
     final, seconds = run_trial(wd, "appear", None, "none-such-stage", tmp_path / "final.log")
     rows.append(("final", None, "-", final, seconds))
+    check_rerun("final run", tmp_path / "final.log", kept)
     killed = sum(1 for row in rows if row[3] == "killed")
     table = "\n".join(
         [f"kill campaign: {len(rows) - 1} trials, {killed} kills, {len(failures)} failures"]
@@ -232,3 +312,19 @@ def test_the_kill_campaign(built_workdir, tmp_path, capsys):
         if not mine.is_file() or mine.read_bytes() != file.read_bytes():
             differing.append(str(mine.relative_to(wd)))
     assert differing == []
+    # the second clone under the hostile shell: the published hashes, the gates, the profile's numerics
+    verified = subprocess.run(
+        [sys.executable, "-m", "mixquant.cli", "verify", "--json"],
+        cwd=wd,
+        env={**os.environ, **HOSTILE},
+        capture_output=True,
+        text=True,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert json.loads(verified.stdout)["counts"] == {"match": 4, "mismatch": 0, "not pinned": 0}
+    verdict = next(path for path, stage in clean.items() if stage == "check_kld_gates")
+    assert json.loads((wd / verdict / "verdict.json").read_text())["passed"] is True
+    reference_logits = next(path for path, stage in clean.items() if stage == "reference_logits")
+    numerics = json.loads((wd / reference_logits / "manifest.json").read_text())["environment"]["numerics"]
+    decisive = (numerics["cpu_capability"], numerics["mkl_cbwr"], numerics["threads"])
+    assert decisive == ("AVX2", "COMPATIBLE", 1)

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_workdir
 from mixquant.keys.manifest import verify_manifest
 from mixquant.store import STORE_LOCK
 
@@ -56,9 +55,9 @@ def jobs_run(log_text: str) -> list[str]:
     ]
 
 
-def test_two_workflows_on_one_store_take_turns_and_share_results(tmp_path):
+def test_two_workflows_on_one_store_take_turns_and_share_results(tmp_path, workdir_factory):
     store = tmp_path / "store"
-    a, b = make_workdir(tmp_path / "a"), make_workdir(tmp_path / "b")
+    a, b = workdir_factory(tmp_path / "a"), workdir_factory(tmp_path / "b")
     paths = json.loads(a.mixquant("paths", "--json").stdout)
     rel = {
         name: str(Path(paths[name]["path"]).relative_to("results"))

@@ -19,9 +19,13 @@ an unsupported ``model_type`` stops with one line naming it and the supported on
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
+import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,7 +34,15 @@ from typing import Any
 
 from mixquant.model.families import deepseek_v3, laguna, mixtral, qwen3_moe
 
-__all__ = ["FAMILIES", "PROJECTIONS", "Architecture", "UnsupportedArchitecture", "architecture", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "PROJECTIONS",
+    "Architecture",
+    "UnsupportedArchitecture",
+    "architecture",
+    "cache_architectures",
+    "family_of",
+]
 
 FAMILIES = (laguna, qwen3_moe, deepseek_v3, mixtral)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # mixquant's names of an expert's three weights
@@ -232,7 +244,86 @@ def architecture(config: Mapping[str, Any] | str | Path) -> Architecture:
         if not isinstance(config, dict):
             raise UnsupportedArchitecture(f"{path}: config.json is not a JSON object")
     check_sizes(config)
-    return _architecture(json.dumps(config, sort_keys=True))
+    return _cached_architecture(json.dumps(config, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------ the on-disk cache
+
+# Deriving an architecture imports torch and transformers and builds the model on the meta device: about
+# 5 s of every Snakemake start, `mixquant paths` and SLURM job on two cores, for a result that only the
+# config.json, the two packages and this package's code decide. A workflow keeps it in its working
+# directory (common.smk and the CLI point this at .snakemake/mixquant-architectures); None: no cache.
+_cache_dir: Path | None = None
+
+
+def cache_architectures(directory: str | Path | None) -> None:
+    """Keep derived architectures as JSON files in ``directory`` (None: derive every time)."""
+    global _cache_dir
+    _cache_dir = Path(directory).absolute() if directory is not None else None
+    _cached_architecture.cache_clear()
+
+
+@lru_cache(maxsize=1)
+def _derivation_identity() -> str:
+    """What besides config.json decides an architecture: transformers, torch and this package's code."""
+    from importlib import metadata
+
+    digest = hashlib.sha256()
+    for package in ("transformers", "torch"):
+        digest.update(f"{package}=={metadata.version(package)}\n".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _to_json(arch: Architecture) -> dict[str, Any]:
+    return dataclasses.asdict(arch)
+
+
+def _from_json(data: dict[str, Any]) -> Architecture:
+    rewrite = data["vllm_key_rewrite"]
+    return Architecture(
+        model_type=str(data["model_type"]),
+        family=str(data["family"]),
+        moe_layers=tuple(int(i) for i in data["moe_layers"]),
+        num_experts=int(data["num_experts"]),
+        experts_per_token=int(data["experts_per_token"]),
+        num_hidden_layers=int(data["num_hidden_layers"]),
+        dtype=str(data["dtype"]),
+        tensors={str(n): (tuple(int(d) for d in dims), str(dt)) for n, (dims, dt) in data["tensors"].items()},
+        expert_templates={str(k): str(v) for k, v in data["expert_templates"].items()},
+        experts_module_template=str(data["experts_module_template"]),
+        source_formats=tuple(str(f) for f in data["source_formats"]),
+        kv_cache_scales=bool(data["kv_cache_scales"]),
+        vllm_key_rewrite=None if rewrite is None else (str(rewrite[0]), str(rewrite[1])),
+    )
+
+
+@lru_cache(maxsize=8)
+def _cached_architecture(config_json: str) -> Architecture:
+    if _cache_dir is None:
+        return _architecture(config_json)
+    key = hashlib.sha256(f"{_derivation_identity()}\n{config_json}".encode()).hexdigest()
+    path = _cache_dir / f"{key}.json"
+    try:
+        entry = json.loads(path.read_text("utf-8"))
+        if entry.get("config") == config_json:
+            return _from_json(entry["architecture"])
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        pass  # absent, being replaced or damaged: derive it again
+    arch = _architecture(config_json)
+    try:
+        _cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=_cache_dir, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump({"config": config_json, "architecture": _to_json(arch)}, out)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError:
+        pass  # a cache: a read-only or full disk only costs the next start its 5 s
+    return arch
 
 
 # Upper bounds of a config.json's sizes, far beyond any published model (DeepSeek-V3: 61 layers, 7168
