@@ -17,16 +17,14 @@ from mixquant.keys.hashing import is_sha256_hex
 from mixquant.keys.manifest import ManifestError, read_manifest
 
 DEFAULT_CONFIG = "config/config.yaml"
-# derived model architectures (mixquant.model.families), kept where common.smk keeps them
-ARCHITECTURE_CACHE = Path(".snakemake") / "mixquant-architectures"
 
 
 def _load(args: argparse.Namespace) -> MixquantConfig:
     """The validated config, checked for planning (paths, context, budget, layers) as Snakemake does."""
-    from mixquant.model.families import cache_architectures
+    from mixquant.model.families import WORKDIR_CACHE, cache_architectures
     from mixquant.planning import check_plan
 
-    cache_architectures(ARCHITECTURE_CACHE)  # as the workflow keeps them
+    cache_architectures(WORKDIR_CACHE)  # as the workflow keeps them
     cfg = load_config_file(args.configfile)
     check_plan(cfg, str(args.configfile))
     return cfg
@@ -452,9 +450,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     config = json.loads(Path(args.model_config).read_text("utf-8"))
     if Path(".snakemake").is_dir():  # a workflow's directory: its architecture cache, as `_load` keeps it
-        from mixquant.model.families import cache_architectures
+        from mixquant.model.families import WORKDIR_CACHE, cache_architectures
 
-        cache_architectures(ARCHITECTURE_CACHE)
+        cache_architectures(WORKDIR_CACHE)
     counts = parse_placement_counts(args.placement_counts) if args.placement_counts else None
     placement = load_placement(args.placement) if args.placement else None
     kv = None if args.kv_cache_quant == "none" else args.kv_cache_quant

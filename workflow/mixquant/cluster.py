@@ -347,20 +347,28 @@ def disk_space_warning(results_dir: str | Path, bytes_to_write: int, free: int |
     )
 
 
-def active_run_line(snakemake_dir: str | Path = ".snakemake") -> str | None:
-    """One line naming the live run that holds this working directory (this host), else None."""
+def _recorded_owner(snakemake_dir: str | Path) -> tuple[dict, bool] | None:
+    """The recorded holder of this working directory's lock when it ran on this host, and whether that
+    process still runs (same PID, same start time); None when nothing is recorded or another host is."""
     try:
         owner = json.loads((Path(snakemake_dir) / OWNER_FILE).read_text())
         pid = int(owner["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if pid == os.getpid() or owner.get("host") != socket.gethostname():
+    if owner.get("host") != socket.gethostname():
         return None
     start = _process_start(pid)
-    if start is None or start != owner.get("start"):
+    return owner, start is not None and start == owner.get("start")
+
+
+def active_run_line(snakemake_dir: str | Path = ".snakemake") -> str | None:
+    """One line naming the live run that holds this working directory (this host), else None."""
+    recorded = _recorded_owner(snakemake_dir)
+    if recorded is None or not recorded[1] or int(recorded[0]["pid"]) == os.getpid():
         return None
+    owner = recorded[0]
     return (
-        f"mixquant: this working directory is in use by the run of pid {pid} on {owner['host']}; "
+        f"mixquant: this working directory is in use by the run of pid {owner['pid']} on {owner['host']}; "
         "wait for it or stop it (snakemake --unlock only once it is gone)"
     )
 
@@ -371,21 +379,14 @@ def clear_stale_lock(snakemake_dir: str | Path = ".snakemake") -> str | None:
     Returns a one-line message when it removed one, None otherwise (no owner recorded, another host,
     or the owner still running: then Snakemake reports the lock as usual).
     """
-    base = Path(snakemake_dir)
-    path = base / OWNER_FILE
-    try:
-        owner = json.loads(path.read_text())
-    except (OSError, ValueError):
+    recorded = _recorded_owner(snakemake_dir)
+    if recorded is None or recorded[1]:
         return None
-    if owner.get("host") != socket.gethostname():
-        return None
-    start = _process_start(int(owner["pid"]))
-    if start is not None and start == owner.get("start"):
-        return None
+    owner, base = recorded[0], Path(snakemake_dir)
     locks = base / "locks"
     had_locks = locks.is_dir() and any(locks.iterdir())
     shutil.rmtree(locks, ignore_errors=True)
-    path.unlink(missing_ok=True)
+    (base / OWNER_FILE).unlink(missing_ok=True)
     if not had_locks:
         return None
     return f"mixquant: removed the lock of a killed run (pid {owner['pid']} on {owner['host']} is gone)"

@@ -4,6 +4,8 @@ the leaf-level differences between two JSON values."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,20 @@ def read_json(
         return loads_strict(raw.decode("utf-8"))
     except ValueError as exc:
         raise error(f"{prefix}: corrupt {what} ({str(exc)[:200]})") from exc
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file beside it and a rename: a reader sees
+    the old file or the new one, never a part (the temporary file does not survive a failure)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def diff_values(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:

@@ -14,7 +14,7 @@ from mixquant.cluster import (
 from mixquant.faults import point as fault_point
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
-from mixquant.model.families import cache_architectures
+from mixquant.model.families import WORKDIR_CACHE as ARCHITECTURE_CACHE, cache_architectures
 from mixquant.planning import check_plan, check_run_start, report_run_end
 from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
@@ -30,7 +30,7 @@ CONFIG_SOURCE = (
     else ""
 )
 # A model's derived architecture (transformers' meta model, ~5 s) is read from here on every later start.
-cache_architectures(Path(".snakemake") / "mixquant-architectures")
+cache_architectures(ARCHITECTURE_CACHE)
 try:
     # One line naming the key first (the config, then what planning can check: paths, context,
     # budget, layers); then the committed JSON schema, as Snakemake users expect.

@@ -23,9 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -252,7 +250,8 @@ def architecture(config: Mapping[str, Any] | str | Path) -> Architecture:
 # Deriving an architecture imports torch and transformers and builds the model on the meta device: about
 # 5 s of every Snakemake start, `mixquant paths` and SLURM job on two cores, for a result that only the
 # config.json, the two packages and this package's code decide. A workflow keeps it in its working
-# directory (common.smk and the CLI point this at .snakemake/mixquant-architectures); None: no cache.
+# directory (common.smk and the CLI point this at WORKDIR_CACHE); None: no cache.
+WORKDIR_CACHE = Path(".snakemake") / "mixquant-architectures"
 _cache_dir: Path | None = None
 
 
@@ -274,10 +273,6 @@ def _derivation_identity() -> str:
     for source in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     return digest.hexdigest()
-
-
-def _to_json(arch: Architecture) -> dict[str, Any]:
-    return dataclasses.asdict(arch)
 
 
 def _from_json(data: dict[str, Any]) -> Architecture:
@@ -303,24 +298,19 @@ def _from_json(data: dict[str, Any]) -> Architecture:
 def _cached_architecture(config_json: str) -> Architecture:
     if _cache_dir is None:
         return _architecture(config_json)
+    from mixquant.jsonio import read_json, write_json_atomic
+
     key = hashlib.sha256(f"{_derivation_identity()}\n{config_json}".encode()).hexdigest()
     path = _cache_dir / f"{key}.json"
     try:
-        entry = json.loads(path.read_text("utf-8"))
+        entry = read_json(path, "architecture cache")
         if entry.get("config") == config_json:
             return _from_json(entry["architecture"])
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         pass  # absent, being replaced or damaged: derive it again
     arch = _architecture(config_json)
     try:
-        _cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=_cache_dir, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump({"config": config_json, "architecture": _to_json(arch)}, out)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        write_json_atomic(path, {"config": config_json, "architecture": dataclasses.asdict(arch)})
     except OSError:
         pass  # a cache: a read-only or full disk only costs the next start its 5 s
     return arch
