@@ -14,7 +14,10 @@ from mixquant.cluster import (
 from mixquant.faults import point as fault_point
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
-from mixquant.model.families import WORKDIR_CACHE as ARCHITECTURE_CACHE, cache_architectures
+from mixquant.model.families import (
+    WORKDIR_CACHE as ARCHITECTURE_CACHE,
+    cache_architectures,
+)
 from mixquant.planning import check_plan, check_run_start, report_run_end
 from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
