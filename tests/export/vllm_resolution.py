@@ -1,6 +1,6 @@
-"""Which routed-experts modules a checkpoint's ``quantized_layers`` reach in vLLM 0.34.0, by vLLM's own logic.
+"""Which routed-experts modules a checkpoint's ``quantized_layers`` reach in vLLM 0.33.0, by vLLM's own logic.
 
-vLLM 0.34 loads a ModelOpt ``MIXED_PRECISION`` checkpoint with the ``modelopt_mixed`` method
+vLLM 0.33 loads a ModelOpt ``MIXED_PRECISION`` checkpoint with the ``modelopt_mixed`` method
 (``ModelOptMixedPrecisionConfig``). Each ``RoutedExperts`` module (what a model's ``FusedMoEFactory``
 builds) asks it for a quantize method with its module prefix; ``_resolve_quant_algo`` looks that
 prefix up in ``quantized_layers`` (exact key, packed shards, a key under ``prefix.``, any key under the
@@ -9,31 +9,31 @@ parent of ``.experts``, gate/up shards), after the model class has renamed the k
 meant for are then built unquantized -- so an export has to be checked against vLLM's names, not
 against the names it was written with.
 
-Approach: vendored, not imported. The deciding vLLM code is copied verbatim into ``vllm_034/`` (see
-its README: file and line ranges of the ``vllm-0.34.0`` wheel, checked by a test against the wheel
+Approach: vendored, not imported. The deciding vLLM code is copied verbatim into ``vllm_033/`` (see
+its README: file and line ranges of the ``vllm-0.33.0`` wheel, checked by a test against the wheel
 when present) and run here unmodified; torch / CUDA types are replaced by recording stand-ins.
 Importing it from the wheel instead is not clean: ``vllm.model_executor.layers.quantization.modelopt``
 imports torch, ``vllm._C`` kernels, triton-backed MoE oracles, ``vllm.config`` and the platform
 detection at module import, the wheel (239 MB) would have to be a test dependency, and only a
 stubbed-out import graph would load on a machine without a GPU.
 
-What is re-implemented here (glue, with vLLM 0.34.0 line references), not copied:
+What is re-implemented here (glue, with vLLM 0.33.0 line references), not copied:
 
 * which file the quantization dict comes from (:func:`vllm_quantization_dict`): config.json's
-  ``quantization_config``, else ``hf_quant_config.json`` (``transformers_utils/config.py:996-1010``);
+  ``quantization_config``, else ``hf_quant_config.json`` (``transformers_utils/config.py:951-965``);
   for ``modelopt_mixed`` without ``quantized_layers`` there, the ``hf_quant_config.json`` file
-  (``model_loader/weight_utils.py:285-295, 392-427``); ``_online_quantization_args`` added as
-  ``make_checkpoint_config`` does (``weight_utils.py:247-253``);
+  (``model_loader/weight_utils.py:269-279, 352-397``); ``_online_quantization_args`` added as
+  ``make_checkpoint_config`` does (``weight_utils.py:231-237``);
 * the order of the model's name mappings (:func:`apply_model_mappings`): ``initialize_model`` calls
   ``configure_quant_config`` (``model_loader/utils.py:93-94``) and then instantiates the class, whose
-  ``SupportsQuant.__new__`` applies the mapper (``interfaces.py:1266-1274``); Kimi-K2.5 then builds its
+  ``SupportsQuant.__new__`` applies the mapper (``interfaces.py:1267-1275``); Kimi-K2.5 then builds its
   text model ``DeepseekV2ForCausalLM`` through ``init_vllm_registered_model`` -> ``initialize_model``
-  (``kimi_k25.py:376-381``, ``models/utils.py:691-710``);
+  (``kimi_k25.py:376-381``, ``models/utils.py:624-643``);
 * the routed-experts prefixes (:func:`routed_expert_prefixes`), from each model file's constructors;
 * the question ``RoutedExperts`` asks: ``FusedMoEFactory(prefix=...)`` -> ``layer_name = prefix``
-  (``fused_moe/layer.py:237, 420-421``) -> ``_get_quant_method(self.layer_name, ...)``
-  (``fused_moe/routed_experts.py:164-168, 268-283``) -> ``resolve_quant_method`` ->
-  ``quant_config.get_quant_method(layer, prefix)`` (``quantization/base_config.py:311-362``, no online
+  (``fused_moe/layer.py:233, 415-416``) -> ``_get_quant_method(self.layer_name, ...)``
+  (``fused_moe/routed_experts.py:165-169, 227-242``) -> ``resolve_quant_method`` ->
+  ``quant_config.get_quant_method(layer, prefix)`` (``quantization/base_config.py:295-356``, no online
   quantization configured).
 
 Scope: ModelOpt ``MIXED_PRECISION`` checkpoints (single-format exports use ``exclude_modules`` and other
@@ -49,12 +49,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_034._stubs import RoutedExperts, VllmConfig
-from vllm_034.interfaces import SupportsQuant
-from vllm_034.model_arch_config_convertor import ModelArchConfigConvertorBase
-from vllm_034.model_loader_utils import configure_quant_config
-from vllm_034.modelopt import ModelOptMixedPrecisionConfig
-from vllm_034.models import (
+from vllm_033._stubs import RoutedExperts, VllmConfig
+from vllm_033.interfaces import SupportsQuant
+from vllm_033.model_arch_config_convertor import ModelArchConfigConvertorBase
+from vllm_033.model_loader_utils import configure_quant_config
+from vllm_033.modelopt import ModelOptMixedPrecisionConfig
+from vllm_033.models import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     Glm4MoeForCausalLM,
@@ -84,8 +84,8 @@ __all__ = [
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 
-# model_type -> the vLLM 0.34 class its registry maps the checkpoint's ``architectures`` to
-# (model_executor/models/registry.py:94, 123, 154, 168, 185, 206, 488).
+# model_type -> the vLLM 0.33 class its registry maps the checkpoint's ``architectures`` to
+# (model_executor/models/registry.py:94, 124, 154, 168, 181, 203, 487).
 MODEL_CLASSES: dict[str, type] = {
     "laguna": LagunaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -120,17 +120,17 @@ def _namespace(config: Mapping[str, Any]) -> SimpleNamespace:
 
 
 def vllm_quantization_dict(export_dir: Path) -> tuple[dict[str, Any], str]:
-    """The quantization dict vLLM 0.34 builds its ``modelopt_mixed`` config from, and its file.
+    """The quantization dict vLLM 0.33 builds its ``modelopt_mixed`` config from, and its file.
 
     1. ``get_config`` sets ``hf_config.quantization_config`` from config.json's ``quantization_config``,
-       else from ``hf_quant_config.json`` (transformers_utils/config.py:996-1010).
+       else from ``hf_quant_config.json`` (transformers_utils/config.py:951-965).
     2. ``ModelArchConfigConvertorBase.get_quantization_config`` normalises it (vendored: sets
        ``quant_method`` from a ``producer.name == "modelopt"`` config's ``quantization.quant_algo``), and
        ``ModelConfig._verify_quantization`` asks each method's ``override_quantization_method``; only
-       ``ModelOptMixedPrecisionConfig``'s answers MIXED_PRECISION (config/model.py:1403-1470).
+       ``ModelOptMixedPrecisionConfig``'s answers MIXED_PRECISION (config/model.py:1383-1450).
     3. ``get_quant_config`` uses ``hf_config.quantization_config`` if it has ``quantized_layers``, else the
        checkpoint's one ``*hf_quant_config.json``, which must then name ``producer.name == "modelopt"``
-       (model_loader/weight_utils.py:255-295, 392-427).
+       (model_loader/weight_utils.py:239-279, 352-397).
 
     Raises :class:`NotMixedPrecision` when vLLM would not pick ``modelopt_mixed`` and ``ValueError`` where
     vLLM raises.
@@ -168,8 +168,8 @@ def vllm_quantization_dict(export_dir: Path) -> tuple[dict[str, Any], str]:
 def load_hf_config(export_dir: Path) -> Any:
     """The transformers config vLLM builds the model from (``AutoConfig``, local directory, no network).
 
-    vLLM 0.34 uses transformers' own classes for these model types (``kimi_k25`` -> upstream
-    ``Kimi_K25Config``, transformers_utils/config.py:145), so class defaults for keys a config.json
+    vLLM 0.33 uses transformers' own classes for these model types (``kimi_k25`` -> upstream
+    ``Kimi_K25Config``, transformers_utils/config.py:144), so class defaults for keys a config.json
     omits (``decoder_sparse_step``, ``first_k_dense_replace``, ...) are the same here.
     """
     from transformers import AutoConfig
@@ -181,16 +181,16 @@ def load_hf_config(export_dir: Path) -> Any:
 
 
 def _text_config(hf_config: Any) -> Any:
-    # ModelConfig.hf_text_config = get_hf_text_config(hf_config) (transformers_utils/config.py:1303-1317)
+    # ModelConfig.hf_text_config = get_hf_text_config(hf_config) (transformers_utils/config.py:1258-1272)
     return hf_config.get_text_config()
 
 
 def routed_expert_prefixes(hf_config: Any, model_type: str | None = None) -> dict[int, str]:
-    """``{layer: prefix}`` of every ``RoutedExperts`` module vLLM 0.34 builds for this config.
+    """``{layer: prefix}`` of every ``RoutedExperts`` module vLLM 0.33 builds for this config.
 
     Each model class is built with ``prefix=""``; ``maybe_prefix("", "model") == "model"``
-    (models/utils.py:1127-1138) and ``make_layers`` names layer ``i`` ``f"{prefix}.layers.{i}"``
-    (models/utils.py:976-980). The MoE-layer rule and the names below each layer are the model file's:
+    (models/utils.py:971-982) and ``make_layers`` names layer ``i`` ``f"{prefix}.layers.{i}"``
+    (models/utils.py:912-916). The MoE-layer rule and the names below each layer are the model file's:
     """
     model_type = model_type or hf_config.model_type
     if model_type == "laguna":
@@ -262,12 +262,12 @@ def routed_expert_prefixes(hf_config: Any, model_type: str | None = None) -> dic
 
 
 def apply_model_mappings(quant_config: Any, model_type: str) -> None:
-    """Rename ``quant_config``'s layer names as vLLM 0.34 does while it builds ``model_type``'s model.
+    """Rename ``quant_config``'s layer names as vLLM 0.33 does while it builds ``model_type``'s model.
 
     ``initialize_model`` runs ``configure_quant_config(quant_config, model_class)`` (applies the class's
     ``hf_to_vllm_mapper.get_rename_mapper()`` unless it is a ``SupportsQuant``) and then instantiates the
     class: ``SupportsQuant.__new__`` applies the mapper of ``SupportsQuant`` models (model_loader/utils.py:
-    93-101, interfaces.py:1266-1298). Kimi-K2.5 then initialises its ``DeepseekV2ForCausalLM`` text model
+    93-101, interfaces.py:1267-1299). Kimi-K2.5 then initialises its ``DeepseekV2ForCausalLM`` text model
     the same way (kimi_k25.py:376-381).
     """
     model_class = MODEL_CLASSES[model_type]
@@ -306,11 +306,11 @@ class _Entry(dict):
 
 @dataclass(frozen=True)
 class ExpertResolution:
-    """One ``RoutedExperts`` module: what vLLM 0.34 quantizes it with.
+    """One ``RoutedExperts`` module: what vLLM 0.33 quantizes it with.
 
     ``algo``: ``_resolve_quant_algo(prefix)`` (upper-cased ``quant_algo`` or None); ``method``: class name
     of ``get_quant_method(layer, prefix)`` (None: vLLM falls back to ``UnquantizedFusedMoEMethod``,
-    routed_experts.py:279-282); ``keys``: the checkpoint ``quantized_layers`` keys it was decided by.
+    routed_experts.py:238-241); ``keys``: the checkpoint ``quantized_layers`` keys it was decided by.
     """
 
     layer: int
@@ -340,7 +340,7 @@ class Resolution:
 
 
 def resolve(export_dir: Path, model_type: str | None = None, hf_config: Any = None) -> Resolution:
-    """Run vLLM 0.34's ``modelopt_mixed`` resolution for every routed-experts module of the export.
+    """Run vLLM 0.33's ``modelopt_mixed`` resolution for every routed-experts module of the export.
 
     ``model_type`` defaults to config.json's (and must match it when given); ``hf_config`` (the
     transformers config) defaults to :func:`load_hf_config`. Raises :class:`NotMixedPrecision` for a
@@ -360,7 +360,7 @@ def resolve(export_dir: Path, model_type: str | None = None, hf_config: Any = No
     if hf_config is None:
         hf_config = load_hf_config(export_dir)
 
-    # weight_utils.py:247-253 make_checkpoint_config -> ModelOptQuantConfigBase.from_config
+    # weight_utils.py:231-237 make_checkpoint_config -> ModelOptQuantConfigBase.from_config
     quant_config = ModelOptMixedPrecisionConfig.from_config({**quant, "_online_quantization_args": None})
     written = dict(quant_config.quantized_layers)
     reads = _Reads()

@@ -73,15 +73,16 @@ FAMILY = {
 }
 
 
-def make_instance(model_type: str, out: Path, *, seed: int = 0) -> Path:
+def make_instance(model_type: str, out: Path, *, seed: int = 0, **overrides) -> Path:
     """A random bf16 ``model_type`` model saved with ``save_pretrained`` into ``out`` (+ the toy tokenizer).
 
     Routers are scaled up so tokens spread over the experts, correction biases are random, a few expert
     weights are outliers and the lm_head is sharp, so that quantization errors and KL scores are well
-    above rounding noise."""
+    above rounding noise. ``overrides``: config settings beyond the family's (e.g. ``head_dim=32``, what
+    vLLM's CPU attention needs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**COMMON, **SPECS[model_type]})
+    config = AutoConfig.for_model(model_type, **{**COMMON, **SPECS[model_type], **overrides})
     torch.manual_seed(seed)
     # bf16 as published; what the class keeps in float32 (the routers of DeepSeek, GLM) is written as the
     # publishers write it (_publish_dtypes)

@@ -1,7 +1,7 @@
 """Every supported MoE family on a small random instance of transformers' own class, saved in its upstream
 disk layout: the architecture mixquant derives, the streamed forward and scores against the whole model,
 the export against ModelOpt 0.47's own ``mtq.quantize`` + ``export_hf_checkpoint``, and the export's
-quantized_layers under vLLM 0.34's resolution."""
+quantized_layers under vLLM 0.33's resolution."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def test_export_equals_modelopts_own_and_vllm_resolves_it(instance, tmp_path):
     """A placement mixing the formats, rebuilt layer by layer and exported by mixquant, against ModelOpt's
     mtq.quantize (mse + fp8_scale_sweep NVFP4, MSE FP8, the same calibration batches) + export_hf_checkpoint:
     every tensor's name, dtype, shape and bytes, and hf_quant_config.json (the producer apart; MiniMax-M2's
-    quantized_layers keys are vLLM's). vLLM 0.34's own resolution then gives each MoE layer its format."""
+    quantized_layers keys are vLLM's). vLLM 0.33's own resolution then gives each MoE layer its format."""
     from mixquant.export.checkpoint import export_checkpoint
     from mixquant.export.run import checkpoint_audit
     from mixquant.producer import default_producer

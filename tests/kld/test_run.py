@@ -131,21 +131,54 @@ def test_a_gap_in_the_runs_is_refused(tmp_path):
 
 
 def test_a_fresh_process_run_equals_the_in_process_run(inputs, tmp_path):
-    """The vllm path (one process per run) on the hf engine: the same files as the in-process run."""
+    """The vllm path (the engine in a new process per run) on the hf engine: the same files as in-process."""
     settings = {"engine": ENGINE, "kv_cache_dtype": "fp8", "runs": 1, "threads": 1}
     ids, ref = kld_run._run_inputs(inputs["prompt"], inputs["reference"])
     kld_run._one_run(tmp_path / "here", ids, ref, inputs["model"], settings, 0)
-    kld_run._run_in_fresh_process(
-        tmp_path / "child", inputs["reference"], inputs["prompt"], inputs["model"], settings, 0
+    logits, info, seconds = kld_run._logits_in_fresh_process(
+        inputs["model"], inputs["prompt"], settings, None, tmp_path, "fp8", "run 0"
     )
+    kld_run._write_run(tmp_path / "child", ids, ref, logits, info, seconds, settings, 0)
     here, child = (json.loads((tmp_path / d / RUN_JSON).read_text()) for d in ("here", "child"))
     assert here["summary"] == child["summary"] and here["summary"]["mean_kld"] > 0
     assert here["candidate_logits_sha256"] == child["candidate_logits_sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child", "here"]  # the scratch is gone
 
 
 def test_a_failed_fresh_process_is_one_line(inputs, tmp_path):
     settings = {"engine": ENGINE, "kv_cache_dtype": "bfloat16", "runs": 1, "threads": 1}
-    with pytest.raises(KldRunError, match="run 0 exited with 1: .*FileNotFoundError"):
-        kld_run._run_in_fresh_process(
-            tmp_path / "run", inputs["reference"], inputs["prompt"], tmp_path / "nowhere", settings, 0
+    with pytest.raises(KldRunError, match="run 0: the engine process exited with 1: .*nowhere"):
+        kld_run._logits_in_fresh_process(
+            tmp_path / "nowhere", inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
+        )
+
+
+def test_a_run_is_judged_by_its_files_not_its_exit_status(inputs, tmp_path, monkeypatch):
+    """vLLM's teardown has aborted (rc 134) after the output was complete: the files decide."""
+    settings = {"engine": ENGINE, "kv_cache_dtype": "bfloat16", "runs": 1, "threads": 1}
+    real_run = kld_run.subprocess.run
+
+    def aborting_at_exit(command, **kwargs):
+        done = real_run(command, **kwargs)
+        assert done.returncode == 0
+        return kld_run.subprocess.CompletedProcess(command, 134, done.stdout, "terminate called\n")
+
+    monkeypatch.setattr(kld_run.subprocess, "run", aborting_at_exit)
+    logits, _, _ = kld_run._logits_in_fresh_process(
+        inputs["model"], inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
+    )
+    assert logits.shape[0] == kld_run._prompt_ids(inputs["prompt"]).numel() - 1
+
+    def aborting_early(command, **kwargs):  # no done.json: the output is not complete
+        return kld_run.subprocess.CompletedProcess(
+            command, 134, "", "terminate called without an active exception"
+        )
+
+    monkeypatch.setattr(kld_run.subprocess, "run", aborting_early)
+    with pytest.raises(
+        KldRunError,
+        match="run 0: the engine process exited with 134: terminate called without an active exception",
+    ):
+        kld_run._logits_in_fresh_process(
+            inputs["model"], inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
         )

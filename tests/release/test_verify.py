@@ -425,7 +425,7 @@ def test_cli_exit_codes_strict_and_not(release_dirs, two_logits, tmp_path, monke
     artifacts = {name: art(release_dirs[name]) for name in ("prompt", "reference_logits", "checkpoint")}
     published = {**two_logits, "numerics": _other_numerics(decisive)}
     monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(published=published, results_dir="r"))
-    monkeypatch.setattr(cli, "_artifacts", lambda cfg: artifacts)
+    monkeypatch.setattr(cli, "_artifacts", lambda cfg, args: artifacts)
     assert cli.main(["verify"]) == 0
     assert "not reproducible bit for bit here" in capsys.readouterr().out.splitlines()[-1]
     assert cli.main(["verify", "--strict"]) == 1

@@ -48,7 +48,7 @@ class Workdir:
         return result
 
     def plan(self, configfile: str | None = None) -> dict:
-        args = ["plan", "--json"] + (["--configfile", configfile] if configfile else [])
+        args = ["plan", "--json", "--no-env-check"] + (["--configfile", configfile] if configfile else [])
         return {rule: row["jobs"] for rule, row in json.loads(self.mixquant(*args).stdout)["rules"].items()}
 
     def paths(self, configfile: str = "config/config.yaml") -> dict:

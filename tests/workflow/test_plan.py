@@ -1,7 +1,11 @@
 """Planning without running: both configs plan, and bad configs fail with one line naming the key."""
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -157,7 +161,13 @@ ENGINE_RULES = ("reference_logits", "run_kld")
 
 def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(workdir):
     out = workdir.mixquant(
-        "plan", "--json", "--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml"
+        "plan",
+        "--json",
+        "--no-env-check",  # test_laguna_plan_says_whether_each_conda_env_resolves
+        "--profile",
+        "profiles/slurm-blackwell",
+        "--configfile",
+        "config/laguna-s-2.1.yaml",
     )
     plan = json.loads(out.stdout)
     assert {rule: row["jobs"] for rule, row in plan["rules"].items()} == LAGUNA_PLAN
@@ -196,7 +206,13 @@ def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(wo
     assert rows[("fetch_model", False)]["bytes_written"] > 236e9  # BF16 model + the baseline checkpoint
     assert 0.9 * 92.4e9 < rows[("export_checkpoint", True)]["bytes_written"] < 1.1 * 92.5e9
     text = workdir.mixquant(
-        "plan", "--jobs", "--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml"
+        "plan",
+        "--jobs",
+        "--no-env-check",
+        "--profile",
+        "profiles/slurm-blackwell",
+        "--configfile",
+        "config/laguna-s-2.1.yaml",
     ).stdout
     assert "| export_checkpoint (after solve) | 1 |" in text and "gpu=4" in text
     assert "Critical path (64 jobs at once):" in text
@@ -210,6 +226,7 @@ def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
         workdir.mixquant(
             "plan",
             "--json",
+            "--no-env-check",
             "--profile",
             "profiles/slurm-blackwell",
             "--configfile",
@@ -247,7 +264,7 @@ FAMILY_CONFIGS = {
 def test_each_family_plans_and_predicts_from_its_committed_geometry(workdir, name):
     params, model_type, fp8_source = FAMILY_CONFIGS[name]
     configfile = f"config/{name}.yaml"
-    args = ("--profile", "profiles/slurm-blackwell", "--configfile", configfile)
+    args = ("--no-env-check", "--profile", "profiles/slurm-blackwell", "--configfile", configfile)
     plan = json.loads(workdir.mixquant("plan", "--json", *args).stdout)
     rules = set(plan["rules"])
     assert {"fetch_model", "collect_activation_stats", "quantize_layer", "score_sensitivity"} <= rules
@@ -321,3 +338,62 @@ def test_nested_config_overrides_take_the_numbers_they_name(workdir):
         "mixquant: config/config.yaml with --config calibration: config key 'calibration.num_samples': "
         "Input should be a valid integer, unable to parse string as an integer (got 'eight')"
     )
+
+
+@pytest.mark.network
+def test_laguna_plan_says_whether_each_conda_env_resolves(workdir, env_resolutions):
+    """Under conda, the plan lists each env the jobs run in, whether pip's resolver resolves it (the session's
+    resolutions, seeded into this workdir's cache as `mixquant plan` itself would have made them) and the
+    stages that use it; the keys are the conda run's even where conda is not installed."""
+    cache, resolutions = env_resolutions
+    shutil.copytree(cache, workdir.root / ".snakemake" / "mixquant-envs")
+    args = ("--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml")
+    plan = json.loads(workdir.mixquant("plan", "--json", *args).stdout)
+    rows = {row["env"]: row for row in plan["environments"]}
+    assert set(rows) == {"envs/quant.yaml", "envs/serve.yaml"}
+    assert rows["envs/serve.yaml"]["stages"] == ["reference_logits", "run_kld"]
+    assert "quantize_layer" in rows["envs/quant.yaml"]["stages"]
+    assert "run_kld" not in rows["envs/quant.yaml"]["stages"]
+    for name, row in rows.items():
+        assert row["status"] == resolutions[name.split("/")[1].removesuffix(".yaml")].status == "resolves"
+    assert "vllm 0.33.0" in rows["envs/serve.yaml"]["detail"]
+    text = workdir.mixquant("plan", *args).stdout
+    assert "  envs/serve.yaml  resolves: 198 packages (vllm 0.33.0, torch 2.14.0" in text
+    assert "used by reference_logits, run_kld" in text
+    paths = workdir.paths("config/laguna-s-2.1.yaml")
+    outputs = {output.rstrip("/") for job in plan["jobs"] for output in job["outputs"]}
+    assert paths["reference_logits"]["path"] in outputs  # snakemake -n planned the keys `paths` shows
+
+
+def test_laguna_plan_without_the_package_index_says_not_checked(workdir):
+    env = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple"}  # nothing listens there
+    args = ("--profile", "profiles/slurm-blackwell", "--configfile", "config/laguna-s-2.1.yaml")
+    result = subprocess.run(
+        [sys.executable, "-m", "mixquant.cli", "plan", *args],
+        cwd=workdir.root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "envs/quant.yaml  not checked: no network: http://127.0.0.1:9/simple is not reachable"
+        in result.stdout
+    )
+
+
+def test_paths_shows_the_env_and_the_versions_each_key_holds(workdir):
+    """The reference release's keys name the conda envs its jobs run in: the serve env's vLLM and torch for
+    the vLLM stages, the quant env's for the rebuild; the toy's, this venv's."""
+    from mixquant.keys.environments import env_path, installed_versions, read_env_file
+
+    paths = workdir.paths("config/laguna-s-2.1.yaml")
+    serve, quant = (read_env_file(env_path(name)) for name in ("serve", "quant"))
+    reference = paths["reference_logits"]
+    assert reference["env"] == "envs/serve.yaml"
+    assert reference["packages"]["vllm"] == serve.pins["vllm"] and reference["packages"]["torch"] == "2.14.0"
+    layer = next(row for row in paths.values() if row["stage"] == "quantize_layer")
+    assert layer["env"] == "envs/quant.yaml" and layer["packages"]["torch"] == quant.pins["torch"] == "2.13.0"
+    toy = workdir.paths()
+    assert toy["reference_logits"]["env"] == "venv"
+    assert toy["reference_logits"]["packages"]["torch"] == installed_versions(("torch",))["torch"]

@@ -72,3 +72,36 @@ def test_a_failed_stage_is_failed_in_paths_and_the_run_says_where_to_look(workdi
     assert log.is_file() and "does not match the pinned" in log.with_suffix(".failed").read_text()
     text = workdir.mixquant("paths", "--configfile", name).stdout
     assert any(line.startswith("model ") and " failed " in line for line in text.splitlines())
+
+
+def test_a_run_whose_jobs_would_run_elsewhere_than_their_keys_say_stops_before_any_job(workdir):
+    """Keys planned for the conda envs (software.deployment: conda), Snakemake running the jobs in this venv:
+    `snakemake -n` plans (the conda run's keys), a run stops at its start with one line naming the fix."""
+    config = workdir.config()
+    config["software"] = {"deployment": "conda"}
+    name = workdir.write_config("config/conda.yaml", config)
+    assert workdir.snakemake("-n", "--configfile", name).returncode == 0
+    result = workdir.snakemake("--configfile", name, check=False)
+    assert result.returncode != 0
+    errors = _mixquant_lines(result)
+    assert len(errors) == 1, result.stderr
+    assert (
+        "the keys name the conda environments of envs/ (software.deployment: conda) but Snakemake runs the "
+        "jobs without conda: run with --sdm conda" in errors[0]
+    )
+    assert not (workdir.root / "results" / "fetch_model").exists()  # no job ran
+
+
+def test_a_conda_profile_plans_the_conda_keys_where_conda_is_not_installed(workdir):
+    """The toy (software.deployment: auto) under profiles/slurm-blackwell, on a machine without conda:
+    `mixquant plan` plans with --sdm env-modules, and its jobs are the conda run's (paths --profile)."""
+    import json
+
+    profile = ("--profile", "profiles/slurm-blackwell")
+    plan = json.loads(workdir.mixquant("plan", "--json", "--no-env-check", *profile).stdout)
+    outputs = {output.rstrip("/") for job in plan["jobs"] for output in job["outputs"]}
+    conda = json.loads(workdir.mixquant("paths", "--json", *profile).stdout)
+    venv = workdir.paths()
+    assert conda["calibration"]["env"] == "envs/quant.yaml" and venv["calibration"]["env"] == "venv"
+    assert conda["calibration"]["path"] in outputs and venv["calibration"]["path"] not in outputs
+    assert conda["model"]["key"] == venv["model"]["key"]  # a content pin: no package decides it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,6 +18,10 @@ from mixquant.keys.hashing import is_sha256_hex
 from mixquant.keys.manifest import ManifestError, read_manifest
 
 DEFAULT_CONFIG = "config/config.yaml"
+PROFILE_HELP = (
+    "plan as under this Snakemake profile (e.g. profiles/slurm-blackwell; default: $SNAKEMAKE_PROFILE): "
+    "with software.deployment: auto, its software-deployment-method decides the versions in the keys"
+)
 
 
 def _load(args: argparse.Namespace) -> MixquantConfig:
@@ -30,10 +35,26 @@ def _load(args: argparse.Namespace) -> MixquantConfig:
     return cfg
 
 
-def _artifacts(cfg: MixquantConfig):
-    from mixquant.keys.artifacts import resolve_artifacts
+def _profile(args: argparse.Namespace) -> str | None:
+    """The Snakemake profile a command plans as: --profile, else $SNAKEMAKE_PROFILE (as Snakemake)."""
+    return getattr(args, "profile", None) or os.environ.get("SNAKEMAKE_PROFILE") or None
 
-    return resolve_artifacts(cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes")
+
+def _deployment(args: argparse.Namespace) -> str:
+    """How Snakemake would deploy the jobs under this command's profile: "conda" or "venv"."""
+    profile = _profile(args)
+    return "conda" if profile and _profile_uses_conda(profile) else "venv"
+
+
+def _artifacts(cfg: MixquantConfig, args: argparse.Namespace, **kwargs):
+    """The artifact graph as Snakemake plans it under the command's profile (software.deployment: auto)."""
+    from mixquant.keys.artifacts import resolve_artifacts
+    from mixquant.planning import check_deployment
+
+    deployment = check_deployment(cfg, _deployment(args), str(args.configfile))
+    return resolve_artifacts(
+        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment, **kwargs
+    )
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -44,16 +65,20 @@ def cmd_paths(args: argparse.Namespace) -> int:
     from mixquant.rulelog import stage_log_path
 
     cfg = _load(args)
-    artifacts = _artifacts(cfg)
+    artifacts = _artifacts(cfg, args)
     table = {}
     for name, art in artifacts.items():
         state = artifact_state(art, cfg.results_dir)
+        software = art.settings["software"]
         row = {
             "key": art.key,
             "path": str(art.path),
             "done": state == "done",
             "state": state,
             "stage": art.stage,
+            # where the job runs and the package versions its key holds
+            "env": f"envs/{software['env']}.yaml" if software["env"] else software["python"] or "venv",
+            "packages": art.preimage["packages"],
         }
         if state == "failed":
             row["log"] = str(stage_log_path(cfg.results_dir, art.stage, art.key))
@@ -169,17 +194,21 @@ def nested_config_args(args: list[str]) -> list[str]:
 def dry_run(configfile: str | None, extra: list[str], profile: str | None = None) -> str:
     command = [sys.executable, "-m", "snakemake", "-n"]
     command += ["--profile", profile] if profile else ["--cores", "1"]
+    env = dict(os.environ)
     if profile and _profile_uses_conda(profile) and shutil.which("conda") is None:
         # Snakemake hashes conda environments even in a dry run and needs conda for that; without
-        # conda on the planning machine, plan without software deployment (the jobs are the same).
+        # conda on the planning machine, plan without software deployment (the jobs are the same, and the
+        # keys still name the conda environments: MIXQUANT_PLAN_DEPLOYMENT, read in dry runs only).
         print(
-            "note: conda is not installed here: planning without the profile's conda environments",
+            "note: conda is not installed here: planning without the profile's conda environments "
+            "(the keys are those of the conda run)",
             file=sys.stderr,
         )
         command += ["--software-deployment-method", "env-modules"]
+        env["MIXQUANT_PLAN_DEPLOYMENT"] = "conda"
     if configfile:
         command += ["--configfile", configfile]
-    result = subprocess.run(command + nested_config_args(extra), capture_output=True, text=True)
+    result = subprocess.run(command + nested_config_args(extra), capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"snakemake -n failed: {snakemake_error(result.stdout, result.stderr)}")
     return result.stdout + result.stderr
@@ -230,7 +259,9 @@ def _profile_uses_conda(profile: str) -> bool:
     return "conda" in ([method] if isinstance(method, str) else method)
 
 
-def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) -> tuple[list, dict]:
+def plan_estimates(
+    cfg: MixquantConfig, jobs: list, slots: int | None = None, deployment: str | None = None
+) -> tuple[list, dict]:
     """Cost-model estimates of the planned jobs and of those that follow the placement's solve, and the
     critical path of all of them with ``slots`` jobs at once (the profile's ``jobs``)."""
     from mixquant.cluster import after_solve_artifacts, critical_path, estimate_plan, planning_geometry
@@ -240,11 +271,13 @@ def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) ->
     if geometry is None:
         return [], {}
     cache = Path(".snakemake") / "mixquant-hashes"
-    planned = resolve_artifacts(cfg, hash_cache_dir=cache)
+    planned = resolve_artifacts(cfg, hash_cache_dir=cache, deployment=deployment)
     later, whole = [], planned
     if "checkpoint" not in planned and cfg.placement.explicit is not None:
         # Stand-in for the placement the solve will choose: placement.explicit.
-        whole = resolve_artifacts(cfg, hash_cache_dir=cache, placement=placement_from_config(cfg))
+        whole = resolve_artifacts(
+            cfg, hash_cache_dir=cache, placement=placement_from_config(cfg), deployment=deployment
+        )
         later = after_solve_artifacts(cfg, planned, whole)
     costs: dict = {}
     warnings: list[str] = []
@@ -255,22 +288,49 @@ def plan_estimates(cfg: MixquantConfig, jobs: list, slots: int | None = None) ->
     return estimates, {"seconds": seconds, "chain": chain, "slots": slots, "warnings": warnings}
 
 
+def conda_environments(cfg: MixquantConfig, check: bool = True) -> list[dict[str, Any]]:
+    """Per conda environment this config's jobs run in: whether pip's resolver resolves it as conda will
+    (mixquant.software, remembered per env file content), and the stages that use it."""
+    from mixquant.software import env_report
+
+    rows = []
+    for resolution, env, stages in env_report(cfg.kld.engine, check=check):
+        if resolution is None:
+            status, detail = "not checked", "--no-env-check"
+        else:
+            status, detail = resolution.status, resolution.detail
+            if resolution.status == "resolves":
+                shown = ", ".join(
+                    f"{name} {resolution.installs[name]}"
+                    for name in ("vllm", "torch", "transformers", "nvidia-modelopt")
+                    if name in resolution.installs
+                )
+                detail = f"{detail} ({shown})"
+        rows.append({"env": f"envs/{env.name}.yaml", "status": status, "detail": detail, "stages": stages})
+    return rows
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from mixquant.cluster import disk_space_warning, estimate_table, parse_dry_run_jobs
+    from mixquant.planning import check_deployment
 
     cfg = _load(args)  # the config's own error in one line, before Snakemake is started
+    deployment = check_deployment(cfg, _deployment(args), str(args.configfile))
     configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
     text = dry_run(configfile, args.snakemake_args, args.profile)
     plan = parse_dry_run(text)
     jobs = parse_dry_run_jobs(text)
     slots = _profile_settings(args.profile).get("jobs")
-    estimates, critical = plan_estimates(cfg, jobs, int(slots) if slots else None) if plan else ([], {})
+    estimates, critical = (
+        plan_estimates(cfg, jobs, int(slots) if slots else None, deployment) if plan else ([], {})
+    )
     if critical and (
         disk := disk_space_warning(cfg.results_dir, sum(row.bytes_written for row in estimates))
     ):
         critical["warnings"].append(disk)
+    environments = conda_environments(cfg, check=not args.no_env_check) if deployment == "conda" else []
     if args.json:
         print(
             json.dumps(
@@ -279,11 +339,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "jobs": [asdict(job) for job in jobs],
                     "estimates": [asdict(row) for row in estimates],
                     "critical_path": critical,
+                    "environments": environments,
                 },
                 indent=2,
             )
         )
         return 0
+    if environments:
+        print(
+            "Conda environments (Snakemake creates them before the first job; checked with pip's resolver):"
+        )
+        for row in environments:
+            print(f"  {row['env']:16} {row['status']}: {row['detail']}")
+            print(f"  {'':16} used by {', '.join(row['stages'])}")
+        print()
     if not plan:
         print("nothing to do: every output is up to date")
         return 0
@@ -322,34 +391,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------- run
 
 
-# Stage -> "module:function"; each takes (out_dir, **{upstream role: path}, settings, preimage),
-# exactly as the rule scripts call them.
-STAGE_RUNNERS = {
-    "build_toy_model": "mixquant.model.run:run_build_toy_model",
-    "fetch_model": "mixquant.model.run:run_fetch_model",
-    "dequantize_source": "mixquant.model.run:run_dequantize_source",
-    "sample_calibration": "mixquant.calibration.run:run_sample_calibration",
-    "pin_prompt": "mixquant.calibration.run:run_pin_prompt",
-    "collect_activation_stats": "mixquant.quantize.run:run_collect_activation_stats",
-    "quantize_layer": "mixquant.quantize.run:run_quantize_layer",
-    "score_sensitivity": "mixquant.search.run:run_score_sensitivity",
-    "solve_placement": "mixquant.search.run:run_solve_placement",
-    "export_checkpoint": "mixquant.export.run:run_export_checkpoint",
-    "reference_logits": "mixquant.kld.run:run_reference_logits",
-    "run_kld": "mixquant.kld.run:run_kld",
-    "gate_kld": "mixquant.kld.run:run_gate_kld",
-    "kld_report": "mixquant.kld.run:run_kld_report",
-    "check_kld_gates": "mixquant.kld.run:run_check_kld_gates",
-    "verify_hashes": "mixquant.release.verify:run_verify_hashes",
-    "assemble_release": "mixquant.release.bundle:run_assemble_release",
-}
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Run one artifact's stage outside Snakemake, with exactly the settings and key the rule uses."""
     import importlib
 
-    artifacts = _artifacts(_load(args))
+    artifacts = _artifacts(_load(args), args)
     matches = [art for art in artifacts.values() if args.target in (art.name, art.stage)]
     if len(matches) != 1:
         names = ", ".join(artifacts)
@@ -362,12 +408,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     for role, up in upstream.items():
         if not up.done:
             raise ValueError(f"{art.name}: upstream {role} ({up.stage}) is not built yet: {up.path}")
+    from mixquant.keys.stages import stage_spec
+    from mixquant.rulelog import check_job_software
+
+    check_job_software({"settings": art.settings, "preimage": art.preimage})  # as the rule's job does
     numerics = art.settings.get("numerics")
     if numerics:  # the same numerics profile as the rule's job, entered before the stage imports torch
         from mixquant.numerics import enter
 
         enter(numerics["profile"], numerics["threads"], numerics.get("device", "cpu"))
-    module, function = STAGE_RUNNERS[art.stage].split(":")
+    module, function = stage_spec(art.stage).runner.split(":")
     runner = getattr(importlib.import_module(module), function)
     paths = {role: up.path for role, up in upstream.items()}
     print(runner(art.path, **paths, settings=art.settings, preimage=art.preimage))
@@ -386,7 +436,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from mixquant.release.verify import format_report, verify_artifacts
 
     cfg = _load(args)
-    artifacts = _artifacts(cfg)
+    artifacts = _artifacts(cfg, args)
     report = verify_artifacts(artifacts, cfg.published, results_dir=cfg.results_dir, against=args.against)
     if args.json:
         print(json.dumps({**report.to_json(), "strict": args.strict}, indent=2))
@@ -501,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(
         sub.add_parser("paths", help="key, path and state (done, failed, todo) of every artifact")
     )
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (with each job's env and packages)")
+    p.add_argument("--profile", help=PROFILE_HELP)
     p.set_defaults(func=cmd_paths)
 
     p = sub.add_parser("explain", help="why two keys (or output directories) differ")
@@ -513,7 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("plan", help="summarize `snakemake -n`: jobs per rule and reasons"))
     p.add_argument("--json", action="store_true", help="print JSON (rules, jobs, estimates)")
     p.add_argument("--jobs", action="store_true", help="list every job with its resources and reason")
-    p.add_argument("--profile", help="plan as under this Snakemake profile (e.g. profiles/slurm-blackwell)")
+    p.add_argument("--profile", help=PROFILE_HELP)
+    p.add_argument(
+        "--no-env-check",
+        action="store_true",
+        help="under conda, do not ask pip's resolver whether each environment file resolves (needs the "
+        "package index; results are remembered per env file under .snakemake/mixquant-envs/)",
+    )
     p.add_argument("snakemake_args", nargs="*", help="extra snakemake arguments (after --)")
     p.set_defaults(func=cmd_plan)
 
@@ -521,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser("run", help="build one artifact outside Snakemake (same function, same key)")
     )
     p.add_argument("target", help="artifact name (see `mixquant paths`) or a stage with a single artifact")
+    p.add_argument("--profile", help=PROFILE_HELP)
     p.set_defaults(func=cmd_run)
 
     p = with_config(

@@ -595,6 +595,28 @@ class NumericsSection(Strict):
     )
 
 
+# -------------------------------------------------------------------------------------- software
+
+
+class SoftwareSection(Strict):
+    deployment: Literal["auto", "conda", "venv"] = Field(
+        default="auto",
+        description="Where jobs run, which decides the package versions in every key: conda (the "
+        "environments Snakemake builds from envs/quant.yaml and envs/serve.yaml: their exact pins and file "
+        "hashes enter the keys), venv (the Python environment Snakemake runs in: its installed versions), "
+        "or auto (as Snakemake deploys: conda under --sdm conda or a profile that sets it, else venv; "
+        "`mixquant` commands follow their --profile). A run deployed otherwise than a conda or venv setting "
+        "says stops at planning.",
+    )
+    vllm_python: str | None = Field(
+        default=None,
+        description="venv deployment with kld.engine: vllm: the Python of a separate venv that has vLLM "
+        "(vLLM pins its own torch and transformers, so it cannot share mixquant's venv). The vLLM stages run "
+        "their engine there, and its package versions enter their keys. null: vLLM must be importable where "
+        "Snakemake runs. Not used under conda (envs/serve.yaml has vLLM).",
+    )
+
+
 # ------------------------------------------------------------------------------------------ root
 
 
@@ -624,6 +646,10 @@ class MixquantConfig(Strict):
     kld: KldSection = Field(default_factory=KldSection, description="KLD protocol.")
     numerics: NumericsSection = Field(
         default_factory=NumericsSection, description="CPU numerics profile (same bits on any AVX2 host)."
+    )
+    software: SoftwareSection = Field(
+        default_factory=SoftwareSection,
+        description="Where jobs run (conda environments or this venv): the package versions in the keys.",
     )
     published: PublishedHashes = Field(
         default_factory=PublishedHashes,

@@ -23,11 +23,10 @@ from mixquant.export.predict import (
     predict_structure,
     routed_projection_tensors,
 )
+from mixquant.keys.stages import STAGES, computes_on_cpu, stage_spec
 
 __all__ = [
     "B200",
-    "ENGINE_STAGES",
-    "STAGES",
     "Geometry",
     "Hardware",
     "StageCost",
@@ -40,28 +39,6 @@ __all__ = [
     "toy_geometry",
 ]
 
-STAGES = (
-    "fetch_model",
-    "dequantize_source",
-    "build_toy_model",
-    "sample_calibration",
-    "pin_prompt",
-    "collect_activation_stats",
-    "quantize_layer",
-    "score_sensitivity",
-    "solve_placement",
-    "export_checkpoint",
-    "reference_logits",
-    "run_kld",
-    "gate_kld",
-    "kld_report",
-    "check_kld_gates",
-    "verify_hashes",
-    "assemble_release",
-)
-# Stages that serve a model on an inference engine (vLLM: tensor_parallel_size GPUs of its own). Where
-# the other stages compute is numerics.device (mixquant.keys.artifacts.compute_device).
-ENGINE_STAGES = ("reference_logits", "run_kld")
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -649,10 +626,8 @@ def stage_cost(
     ``candidate``: run_kld's candidate name (default: the first). A run_kld job does all ``kld.runs``
     runs.
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    serves_model = stage_spec(stage).serves_model  # an unknown stage is refused here
     from mixquant.keys.artifacts import compute_device
-    from mixquant.keys.stages import computes_on_cpu
     from mixquant.numerics import device_type
 
     hw = hardware
@@ -939,9 +914,9 @@ def stage_cost(
         + download / hw.hub_download_bytes_per_s
         + compute_s
     )
-    if not (on_gpu or (stage in ENGINE_STAGES and cfg.kld.engine == "vllm")):
+    if not (on_gpu or (serves_model and cfg.kld.engine == "vllm")):
         gpu_bytes = 0
-        gpus = 0 if stage not in ENGINE_STAGES else gpus
+        gpus = 0 if not serves_model else gpus
     return StageCost(
         stage, gpus, cpus, runtime, int(read), int(written), int(host), int(gpu_bytes), tuple(notes)
     )
@@ -984,7 +959,7 @@ def job_gpus(cfg: MixquantConfig, stage: str) -> int:
     from mixquant.keys.artifacts import compute_device
     from mixquant.numerics import device_type
 
-    if stage in ENGINE_STAGES and cfg.kld.engine == "vllm":
+    if stage_spec(stage).serves_model and cfg.kld.engine == "vllm":
         return cfg.kld.tensor_parallel_size
     return 1 if device_type(compute_device(cfg, stage)) == "cuda" else 0
 

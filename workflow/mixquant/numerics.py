@@ -94,11 +94,6 @@ def key_identity(profile: str = "portable", threads: int = DEFAULT_THREADS) -> d
     return settings
 
 
-# Stages that compute on the configured device (numerics.device); the rest compute on the CPU. The hf
-# engine's stages only: a vLLM engine places itself.
-DEVICE_STAGES = frozenset(
-    {"collect_activation_stats", "quantize_layer", "score_sensitivity", "reference_logits", "run_kld"}
-)
 # What a CUDA process pins: no TF32, full-precision bf16 GEMM reductions, deterministic kernels (the
 # eager experts' index_add_ is an atomic scatter otherwise, so two runs could differ), cuBLAS's
 # deterministic workspace. The GPU model is not known at planning: it is in the fingerprint, not the key.

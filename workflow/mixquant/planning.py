@@ -300,6 +300,39 @@ def unpinned_sources(cfg: MixquantConfig) -> list[str]:
     return keys
 
 
+def check_deployment(cfg: MixquantConfig, snakemake_deployment: str, source: str = "config") -> str:
+    """The deployment the keys are planned for ("conda" or "venv"): ``software.deployment``, or with auto
+    how Snakemake deploys the jobs (``snakemake_deployment``). Planning follows the config, so `snakemake -n`
+    shows a conda run's keys on a machine without conda; a run checks at its start that the jobs really run
+    where the keys say (:func:`check_run_deployment`)."""
+    wanted = cfg.software.deployment
+    deployment = snakemake_deployment if wanted == "auto" else wanted
+    if deployment == "conda" and cfg.software.vllm_python:
+        raise ConfigError(
+            f"{source}: config key 'software.vllm_python' is for runs without conda: under conda the vLLM "
+            "stages run in envs/serve.yaml (set it to null)"
+        )
+    return deployment
+
+
+def check_run_deployment(cfg: MixquantConfig, planned: str, running: str, source: str = "config") -> None:
+    """One line when the jobs would run elsewhere than the keys say (every job would then stop at its own
+    version check): ``planned`` is what the keys name, ``running`` how Snakemake deploys this run."""
+    if planned == running:
+        return
+    fix = (
+        "run with --sdm conda or a profile that sets software-deployment-method: conda"
+        if planned == "conda"
+        else "run without --sdm conda (the local profile)"
+    )
+    raise ConfigError(
+        f"{source}: the keys name {'the conda environments of envs/' if planned == 'conda' else 'this venv'} "
+        f"(software.deployment: {cfg.software.deployment}) but Snakemake runs the jobs "
+        f"{'in conda environments' if running == 'conda' else 'without conda'}: {fix}, or set "
+        f"software.deployment: {running}"
+    )
+
+
 def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
     """What a run needs that planning does not: every Hub source pinned (one line naming them)."""
     if keys := unpinned_sources(cfg):
@@ -309,12 +342,14 @@ def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
         )
 
 
-def report_run_end(cfg: MixquantConfig, hash_cache_dir: Path | None, succeeded: bool) -> list[str]:
+def report_run_end(
+    cfg: MixquantConfig, hash_cache_dir: Path | None, succeeded: bool, deployment: str | None = None
+) -> list[str]:
     """run_end_lines on the graph as it stands now (the placement included once it is solved)."""
     from mixquant.keys.artifacts import resolve_artifacts
 
     try:
-        artifacts = resolve_artifacts(cfg, hash_cache_dir=hash_cache_dir)
+        artifacts = resolve_artifacts(cfg, hash_cache_dir=hash_cache_dir, deployment=deployment)
     except (OSError, ValueError) as error:  # a run's end hook reports, it never fails the run
         return [f"mixquant: cannot list the outputs ({error})"]
     return run_end_lines(artifacts, succeeded)

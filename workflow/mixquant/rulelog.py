@@ -65,14 +65,29 @@ def disk_full_line(error: BaseException, log_path: str | Path, resources: Any = 
     )
 
 
+def check_job_software(stage: Any) -> None:
+    """Stop (one line) when this job's packages are not the versions its key holds
+    (:func:`mixquant.keys.environments.check_software`). A stage whose engine runs in another interpreter
+    (``software.vllm_python``) is checked there, by the engine's own process."""
+    if not hasattr(stage, "get") or "preimage" not in stage:
+        return
+    software = (stage.get("settings") or {}).get("software") or {}
+    if software.get("python"):
+        return
+    from mixquant.keys.environments import check_software
+
+    check_software(stage["preimage"], software)
+
+
 @contextmanager
 def rule_logging(log_path: str, stage: Any = None, resources: Any = None) -> Iterator[None]:
     """Send logging to `log_path`; on an exception write the traceback there and exit with one line
     (a full disk: where, what the job asks for in ``resources.disk_mb``, what is free).
 
     The one line (``mixquant: <stage error>``) goes to stderr, where Snakemake shows it; the full
-    traceback stays in the log for whoever needs it. When the stage's settings name a numerics profile
-    (stages whose numbers torch computes), the process enters it first (mixquant.numerics): a process
+    traceback stays in the log for whoever needs it. The job first checks that its packages are the
+    versions its key holds (:func:`check_job_software`); when the stage's settings name a numerics profile
+    (stages whose numbers torch computes), the process then enters it (mixquant.numerics): a process
     that cannot compute under it stops here with one line.
     """
     logging.raiseExceptions = False  # a log write that fails (a full disk) must not print tracebacks
@@ -84,6 +99,7 @@ def rule_logging(log_path: str, stage: Any = None, resources: Any = None) -> Ite
     marker = failure_marker(log_path)
     marker.unlink(missing_ok=True)  # a new attempt: not failed (yet)
     try:
+        check_job_software(stage)
         numerics = (stage or {}).get("settings", {}).get("numerics") if hasattr(stage, "get") else None
         if numerics:
             from mixquant.numerics import enter

@@ -11,7 +11,7 @@ rule sample_calibration:
     benchmark:
         stage_benchmark("calibration")
     conda:
-        "../../envs/quant.yaml"
+        conda_env("sample_calibration")
     threads: 1
     resources:
         mem_mb=artifact_request("calibration", "mem_mb"),

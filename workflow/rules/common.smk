@@ -1,6 +1,8 @@
 # Config selection, validation and the artifact graph (keys and paths) — all via the library.
+import os
 import sys
 
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from mixquant.cluster import (
@@ -14,11 +16,18 @@ from mixquant.cluster import (
 from mixquant.faults import point as fault_point
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
+from mixquant.keys.stages import stage_env
 from mixquant.model.families import (
     WORKDIR_CACHE as ARCHITECTURE_CACHE,
     cache_architectures,
 )
-from mixquant.planning import check_plan, check_run_start, report_run_end
+from mixquant.planning import (
+    check_deployment,
+    check_plan,
+    check_run_deployment,
+    check_run_start,
+    report_run_end,
+)
 from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
 
@@ -34,11 +43,24 @@ CONFIG_SOURCE = (
 )
 # A model's derived architecture (transformers' meta model, ~5 s) is read from here on every later start.
 cache_architectures(ARCHITECTURE_CACHE)
+# Where the jobs run (the conda environments of envs/, or this venv) decides the versions in the keys.
+# `mixquant plan` on a machine without conda plans a conda profile with --sdm env-modules and says so in
+# MIXQUANT_PLAN_DEPLOYMENT; a run checks at its start that the jobs really run where the keys say.
+SNAKEMAKE_DEPLOYMENT = (
+    "conda"
+    if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
+    else "venv"
+)
 try:
     # One line naming the key first (the config, then what planning can check: paths, context,
-    # budget, layers); then the committed JSON schema, as Snakemake users expect.
+    # budget, layers, where the jobs run); then the committed JSON schema, as Snakemake users expect.
     CFG = validate_config(SELECTED_CONFIG, source=CONFIG_SOURCE)
     check_plan(CFG, CONFIG_SOURCE)
+    DEPLOYMENT = check_deployment(
+        CFG,
+        os.environ.get("MIXQUANT_PLAN_DEPLOYMENT") or SNAKEMAKE_DEPLOYMENT,
+        CONFIG_SOURCE,
+    )
 except ConfigError as error:
     sys.exit(f"mixquant: {error}")
 # What the keys are made of: the config as mixquant read it (a quoted number from a YAML file or a
@@ -62,8 +84,10 @@ if workflow.is_main_process and (message := clear_stale_lock() or active_run_lin
 
 
 onstart:
-    try:  # before any job: a run that would download from an unpinned revision stops here
+    try:  # before any job: a run that would download from an unpinned revision stops here, and one whose
+        # jobs would run elsewhere than their keys say
         check_run_start(CFG, CONFIG_SOURCE)
+        check_run_deployment(CFG, DEPLOYMENT, SNAKEMAKE_DEPLOYMENT, CONFIG_SOURCE)
     except ConfigError as error:
         sys.exit(f"mixquant: {error}")
     record_run_owner()
@@ -89,20 +113,24 @@ onsuccess:
     release_results_store(CFG.results_dir)
     release_run_owner()
     # where the release and the checkpoint are
-    for line in report_run_end(CFG, HASH_CACHE, succeeded=True):
+    for line in report_run_end(
+        CFG, HASH_CACHE, succeeded=True, deployment=DEPLOYMENT
+    ):
         print(line, file=sys.stderr)
 
 
 onerror:
     release_results_store(CFG.results_dir)
     release_run_owner()
-    for line in report_run_end(CFG, HASH_CACHE, succeeded=False):
+    for line in report_run_end(
+        CFG, HASH_CACHE, succeeded=False, deployment=DEPLOYMENT
+    ):
         print(line, file=sys.stderr)
 
 
 try:
     # root inputs are read here (local model content, its pin): a mismatch is one line too
-    ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+    ART = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE, deployment=DEPLOYMENT)
 except (ValueError, OSError) as error:
     sys.exit(f"mixquant: {CONFIG_SOURCE}: {error}")
 _PLACED = {}
@@ -117,7 +145,9 @@ def placed_artifacts():
         return ART
     checkpoints.solve_placement.get()
     if "graph" not in _PLACED:
-        _PLACED["graph"] = resolve_artifacts(CFG, hash_cache_dir=HASH_CACHE)
+        _PLACED["graph"] = resolve_artifacts(
+            CFG, hash_cache_dir=HASH_CACHE, deployment=DEPLOYMENT
+        )
     return _PLACED["graph"]
 
 
@@ -194,8 +224,6 @@ def keyed_runtime(wildcards, attempt):
     return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["runtime"]
 
 
-def engine_env(wildcards):
-    """The KLD stages' software: vLLM's own stack (envs/serve.yaml) or the quantization stack."""
-    return (
-        "../../envs/serve.yaml" if CFG.kld.engine == "vllm" else "../../envs/quant.yaml"
-    )
+def conda_env(stage):
+    """The stage's conda environment file (the stage registry's), relative to workflow/rules/."""
+    return f"../../envs/{stage_env(stage, CFG.kld.engine)}.yaml"

@@ -14,7 +14,7 @@ rule export_checkpoint:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("export_checkpoint")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,

@@ -15,7 +15,7 @@ rule reference_logits:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        engine_env
+        conda_env("reference_logits")
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
@@ -39,7 +39,7 @@ rule run_kld:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        engine_env
+        conda_env("run_kld")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
@@ -61,7 +61,7 @@ rule gate_kld:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("gate_kld")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
@@ -88,7 +88,7 @@ rule kld_report:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("kld_report")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
@@ -110,7 +110,7 @@ rule check_kld_gates:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("check_kld_gates")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,

@@ -13,7 +13,7 @@ if CFG.model.source == "toy":
         benchmark:
             stage_benchmark("model")
         conda:
-            "../../envs/quant.yaml"
+            conda_env("build_toy_model")
         threads: CFG.model.toy.threads
         resources:
             mem_mb=artifact_request("model", "mem_mb"),
@@ -36,7 +36,7 @@ rule fetch_model:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("fetch_model")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,
@@ -61,7 +61,7 @@ rule dequantize_source:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("dequantize_source")
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,

@@ -11,7 +11,7 @@ rule pin_prompt:
     benchmark:
         stage_benchmark("prompt")
     conda:
-        "../../envs/quant.yaml"
+        conda_env("pin_prompt")
     threads: 1
     resources:
         mem_mb=artifact_request("prompt", "mem_mb"),

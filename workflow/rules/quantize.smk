@@ -14,7 +14,7 @@ rule collect_activation_stats:
     benchmark:
         stage_benchmark("activations")
     conda:
-        "../../envs/quant.yaml"
+        conda_env("collect_activation_stats")
     threads: CFG.numerics.threads
     resources:
         mem_mb=artifact_request("activations", "mem_mb"),
@@ -38,7 +38,7 @@ rule quantize_layer:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("quantize_layer")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,

@@ -14,7 +14,7 @@ rule assemble_release:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("assemble_release")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,

@@ -14,7 +14,7 @@ rule score_sensitivity:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("score_sensitivity")
     threads: CFG.numerics.threads
     resources:
         mem_mb=keyed_mem_mb,
@@ -48,7 +48,7 @@ if CFG.placement.source == "search":
         benchmark:
             stage_benchmark("placement")
         conda:
-            "../../envs/quant.yaml"
+            conda_env("solve_placement")
         threads: 1
         resources:
             mem_mb=artifact_request("placement", "mem_mb"),

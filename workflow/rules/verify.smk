@@ -15,7 +15,7 @@ rule verify_hashes:
     wildcard_constraints:
         key="[0-9a-f]{64}",
     conda:
-        "../../envs/quant.yaml"
+        conda_env("verify_hashes")
     threads: 1
     resources:
         mem_mb=keyed_mem_mb,

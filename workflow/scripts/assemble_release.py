@@ -1,5 +1,12 @@
 """Rule assemble_release: the release bundle with its model card (mixquant.release.bundle)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.release.bundle import run_assemble_release
 from mixquant.rulelog import rule_logging
 

@@ -1,5 +1,12 @@
 """Rule check_kld_gates (mixquant.kld.run.run_check_kld_gates)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.kld.run import run_check_kld_gates
 from mixquant.rulelog import rule_logging
 

@@ -1,5 +1,12 @@
 """Rule collect_activation_stats: expert-input and K/V amax over the calibration tokens."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.quantize.run import run_collect_activation_stats
 from mixquant.rulelog import rule_logging
 

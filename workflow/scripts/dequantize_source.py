@@ -1,5 +1,12 @@
 """Rule dequantize_source: a block-FP8 source checkpoint as BF16 (mixquant.model.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.model.run import run_dequantize_source
 from mixquant.rulelog import rule_logging
 

@@ -1,5 +1,12 @@
 """Rule fetch_model: pin a real model by hub revision or local content (mixquant.model.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.model.run import run_fetch_model
 from mixquant.rulelog import rule_logging
 

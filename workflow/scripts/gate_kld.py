@@ -1,5 +1,12 @@
 """Rule gate_kld (mixquant.kld.run.run_gate_kld)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.kld.run import run_gate_kld
 from mixquant.rulelog import rule_logging
 

@@ -1,5 +1,12 @@
 """Rule kld_report (mixquant.kld.run.run_kld_report)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.kld.run import run_kld_report
 from mixquant.rulelog import rule_logging
 

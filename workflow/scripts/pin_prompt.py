@@ -1,5 +1,12 @@
 """Rule pin_prompt: the hash-pinned KLD prompt (mixquant.calibration.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.calibration.run import run_pin_prompt
 from mixquant.rulelog import rule_logging
 

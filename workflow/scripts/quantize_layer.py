@@ -1,5 +1,12 @@
 """Rule quantize_layer: a window of MoE layers' routed experts in one format (mixquant.quantize.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.quantize.run import run_quantize_layer
 from mixquant.rulelog import rule_logging
 

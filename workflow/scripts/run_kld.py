@@ -3,7 +3,8 @@
 import sys
 from pathlib import Path
 
-# envs/serve.yaml (vLLM) does not install mixquant: import it from the workflow directory.
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 
 from mixquant.kld.run import run_kld

@@ -1,5 +1,12 @@
 """Rule sample_calibration: N x T calibration token IDs (mixquant.calibration.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.calibration.run import run_sample_calibration
 from mixquant.rulelog import rule_logging
 

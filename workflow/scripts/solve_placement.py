@@ -1,5 +1,12 @@
 """Checkpoint solve_placement: the exact placement under the bit budget (mixquant.search.run)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.rulelog import rule_logging
 from mixquant.search.run import run_solve_placement
 

@@ -1,5 +1,12 @@
 """Rule verify_hashes: the published SHA-256 values re-derived and compared (mixquant.release.verify)."""
 
+import sys
+from pathlib import Path
+
+# mixquant from the workflow directory: no conda environment installs it (envs/*.yaml), and Snakemake's
+# own sys.path, which it appends to a script's, must not supply another copy
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+
 from mixquant.release.verify import run_verify_hashes
 from mixquant.rulelog import rule_logging
 

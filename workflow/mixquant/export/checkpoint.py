@@ -55,7 +55,7 @@ Configs (ModelOpt's own code computes them, see :func:`modelopt_hf_quant_config`
     Known differences from ModelOpt's files, apart from ``producer``:
 
     * MiniMax-M2 only: ``quantized_layers`` keys are ``model.layers.L.mlp.experts``, where ModelOpt writes
-      the disk name ``block_sparse_moe``: vLLM 0.34 resolves only the former for that model (with
+      the disk name ``block_sparse_moe``: vLLM 0.33 resolves only the former for that model (with
       ModelOpt's keys its experts would load as BF16); :mod:`mixquant.model.families.mixtral`.
 
     * ``config.json`` keeps every key of the source ``config.json``. ModelOpt re-serialises the config

@@ -20,8 +20,8 @@ from mixquant.config import MixquantConfig, parse_layer_ranges
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST
-from mixquant.keys.stages import computes_on_cpu, stage_preimage
-from mixquant.numerics import DEVICE_STAGES, numerics_key
+from mixquant.keys.stages import computes_on_cpu, stage_device, stage_preimage, stage_software
+from mixquant.numerics import numerics_key
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,16 @@ class Artifact:
 
 def compute_device(cfg: MixquantConfig, stage: str) -> str:
     """Where ``stage`` computes: numerics.device for the forward stages and the rebuild (the KLD stages
-    only with the hf engine: vLLM places itself), else the CPU."""
-    engine_stage = stage in ("reference_logits", "run_kld")
-    if stage in DEVICE_STAGES and not (engine_stage and cfg.kld.engine != "hf"):
-        return cfg.numerics.device
-    return "cpu"
+    only with the hf engine: vLLM places itself), else the CPU (the stage registry's device rule)."""
+    return stage_device(stage, cfg.numerics.device, cfg.kld.engine)
+
+
+def deployment_of(cfg: MixquantConfig, snakemake_deployment: str | None = None) -> str:
+    """Where jobs run, "conda" or "venv": ``software.deployment``, or with ``auto`` how Snakemake deploys
+    this run (``snakemake_deployment``; None outside Snakemake: venv)."""
+    if cfg.software.deployment != "auto":
+        return cfg.software.deployment
+    return snakemake_deployment or "venv"
 
 
 def keyed_path(results_dir: str | Path, stage: str, key: str) -> Path:
@@ -54,9 +59,10 @@ def keyed_path(results_dir: str | Path, stage: str, key: str) -> Path:
 
 
 class _Graph:
-    def __init__(self, cfg: MixquantConfig, hash_cache_dir: Path | None):
+    def __init__(self, cfg: MixquantConfig, hash_cache_dir: Path | None, deployment: str):
         self.cfg = cfg
         self.hash_cache_dir = hash_cache_dir
+        self.deployment = deployment
         self.artifacts: dict[str, Artifact] = {}
 
     def add(
@@ -76,7 +82,15 @@ class _Graph:
                 **settings,
                 "numerics": {"profile": numerics.cpu, "threads": numerics.threads, "device": device},
             }
-        preimage = stage_preimage(stage, config_slice, upstream_keys)
+        # the software that runs the stage: its versions (and, under conda, its env file) enter the key
+        software = stage_software(
+            stage,
+            deployment=self.deployment,
+            kld_engine=self.cfg.kld.engine,
+            vllm_python=self.cfg.software.vllm_python,
+        )
+        settings = {**settings, "software": software.settings}
+        preimage = stage_preimage(stage, config_slice, upstream_keys, software.packages, software.env)
         key = canonical_sha256(preimage)
         artifact = Artifact(
             name, stage, key, keyed_path(self.cfg.results_dir, stage, key), preimage, settings, dict(upstream)
@@ -175,15 +189,19 @@ def _tokenizer_identity(cfg: MixquantConfig) -> tuple[dict, dict]:
 
 
 def resolve_artifacts(
-    cfg: MixquantConfig, hash_cache_dir: Path | None = None, placement: dict[int, str] | None = None
+    cfg: MixquantConfig,
+    hash_cache_dir: Path | None = None,
+    placement: dict[int, str] | None = None,
+    deployment: str | None = None,
 ) -> dict[str, Artifact]:
     """{artifact name: Artifact} for every stage the config asks for, in dependency order.
 
     With ``placement.source: search`` the rebuild and the export depend on ``solve_placement``'s result:
     they are resolved from ``placement`` when given, else from the placement artifact's ``placement.json``
-    once it is built; before that the graph ends at the placement.
+    once it is built; before that the graph ends at the placement. ``deployment``: how Snakemake deploys
+    the jobs ("conda" or "venv"; what ``software.deployment: auto`` follows, :func:`deployment_of`).
     """
-    graph = _Graph(cfg, hash_cache_dir)
+    graph = _Graph(cfg, hash_cache_dir, deployment_of(cfg, deployment))
     _model_artifact(graph)
     tokenizer_slice, tokenizer_settings = _tokenizer_identity(cfg)
     dataset_slice, dataset_settings = _dataset_identity(cfg)

@@ -71,13 +71,14 @@ def environment_record() -> dict[str, Any]:
     """
     import sys
 
-    from mixquant.keys.stages import installed_versions
+    from mixquant.keys.environments import installed_versions
+    from mixquant.keys.stages import RECORDED_PACKAGES
     from mixquant.numerics import requested
 
     record: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "packages": installed_versions(),
+        "packages": installed_versions(RECORDED_PACKAGES),
     }
     profile, threads = requested()
     if "torch" in sys.modules:  # this process computed: its effective numerics

@@ -1,15 +1,27 @@
-"""What enters each stage's key besides config and upstream keys: code identity and packages.
+"""The stage registry: every stage's runner, software environment, compute device, output and key inputs.
+
+One table (``STAGES``) read by everyone who needs to know about stages: the artifact graph (what enters a
+key), the rules (their ``conda:`` environment, via ``workflow/rules/common.smk``), the cost model (which
+stages exist, which serve a model), ``mixquant run`` (the runner) and ``mixquant paths`` (the environment).
+Nothing else lists stages.
 
 KEY_SCHEMA_VERSION changes when the layout of the preimage itself changes (every key moves).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 from mixquant.keys.code_identity import code_identity
+from mixquant.keys.environments import (
+    env_path,
+    env_versions,
+    installed_versions,
+    python_versions,
+    read_env_file,
+)
 
 KEY_SCHEMA_VERSION = 1
 
@@ -31,21 +43,62 @@ RECORDED_PACKAGES = (
     "vllm",
 )
 
+# Where a stage computes: "cpu" always; "configured": numerics.device (the layer-streamed forward stages and
+# the rebuild); "engine": numerics.device with the hf engine, while vLLM places itself on its own GPUs.
+Device = Literal["cpu", "configured", "engine"]
+# The conda environment a stage's rule runs in: envs/quant.yaml, or "engine": envs/serve.yaml when the KLD
+# engine is vLLM (its own torch and transformers), else envs/quant.yaml.
+QUANT_ENV = "quant"
+SERVE_ENV = "serve"
+
 
 @dataclass(frozen=True)
 class StageSpec:
-    """A stage's identity: the modules that decide its numbers and the packages that do too."""
+    """One stage: what decides its numbers (library modules, packages), how it runs and where."""
 
     name: str
+    runner: str  # "module:function", called as runner(out_dir, **{role: upstream path}, settings, preimage)
+    output: str  # the rule's named output (the keyed directory)
     numerics_modules: tuple[str, ...]
     numerics_packages: tuple[str, ...]
+    env: str = QUANT_ENV  # QUANT_ENV, or "engine" (see above)
+    device: Device = "cpu"
+
+    @property
+    def serves_model(self) -> bool:
+        """Whether the stage runs the KLD engine (vLLM: a tensor-parallel model server of its own)."""
+        return self.env == "engine"
 
 
+_ENGINE_MODULES = (
+    "mixquant.kld.engines",
+    "mixquant.kld.run",
+    "mixquant.export.dequant",
+    "mixquant.search.score",
+    "mixquant.model.attention",
+)
+_ENGINE_PACKAGES = ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm")
+
+# In pipeline order (the cost table's rows follow it).
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
+        # Downloads and content hashes: no numerics, so no package decides the result.
+        StageSpec(
+            "fetch_model", "mixquant.model.run:run_fetch_model", "model", ("mixquant.model.fetch",), ()
+        ),
+        # A block-FP8 source made BF16 by the publisher's dequantization.
+        StageSpec(
+            "dequantize_source",
+            "mixquant.model.run:run_dequantize_source",
+            "model",
+            ("mixquant.checkpoint.fp8_source",),
+            ("torch", "safetensors"),
+        ),
         StageSpec(
             "build_toy_model",
+            "mixquant.model.run:run_build_toy_model",
+            "model",
             (
                 "mixquant.model.toy",
                 "mixquant.model.toy_settings",
@@ -54,81 +107,111 @@ STAGES: dict[str, StageSpec] = {
             ),
             ("torch", "transformers", "tokenizers", "safetensors"),
         ),
-        # Downloads and content hashes: no numerics, so no package decides the result.
-        StageSpec("fetch_model", ("mixquant.model.fetch",), ()),
-        # A block-FP8 source made BF16 by the publisher's dequantization.
-        StageSpec("dequantize_source", ("mixquant.checkpoint.fp8_source",), ("torch", "safetensors")),
         StageSpec(
             "sample_calibration",
+            "mixquant.calibration.run:run_sample_calibration",
+            "calibration",
             ("mixquant.calibration.sample", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
             ("transformers", "tokenizers", "datasets"),
         ),
         StageSpec(
             "pin_prompt",
+            "mixquant.calibration.run:run_pin_prompt",
+            "prompt",
             ("mixquant.calibration.prompt", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
             ("transformers", "tokenizers", "datasets"),
         ),
         StageSpec(
             "collect_activation_stats",
+            "mixquant.quantize.run:run_collect_activation_stats",
+            "activations",
             ("mixquant.quantize.activations", "mixquant.model.attention"),
             ("torch", "transformers", "safetensors"),
+            device="configured",
         ),
         StageSpec(
             "quantize_layer",
+            "mixquant.quantize.run:run_quantize_layer",
+            "layers",
             ("mixquant.quantize.layer", "mixquant.formats.nvfp4", "mixquant.formats.fp8"),
             ("torch", "nvidia-modelopt", "safetensors"),
+            device="configured",
         ),
         # Scores: the scorer (its numerics come from quantize_layer's results, which are upstream).
         StageSpec(
             "score_sensitivity",
+            "mixquant.search.run:run_score_sensitivity",
+            "scores",
             ("mixquant.search.score", "mixquant.search.run"),
             ("torch", "transformers", "nvidia-modelopt", "safetensors"),
+            device="configured",
         ),
         # The placement, its audit, the frontier and the plots are all outputs of the solve.
         StageSpec(
             "solve_placement",
+            "mixquant.search.run:run_solve_placement",
+            "placement",
             ("mixquant.search.solve", "mixquant.search.run", "mixquant.search.plots"),
             ("pulp", "matplotlib"),
+        ),
+        # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
+        StageSpec(
+            "export_checkpoint",
+            "mixquant.export.run:run_export_checkpoint",
+            "checkpoint",
+            ("mixquant.export.checkpoint", "mixquant.export.inspect", "mixquant.export.predict"),
+            ("nvidia-modelopt", "safetensors", "transformers"),
         ),
         # Logits: the engine (and what it loads a checkpoint with) decides them.
         StageSpec(
             "reference_logits",
-            (
-                "mixquant.kld.engines",
-                "mixquant.kld.run",
-                "mixquant.export.dequant",
-                "mixquant.search.score",
-                "mixquant.model.attention",
-            ),
-            ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
+            "mixquant.kld.run:run_reference_logits",
+            "reference",
+            _ENGINE_MODULES,
+            _ENGINE_PACKAGES,
+            env="engine",
+            device="engine",
         ),
         StageSpec(
             "run_kld",
-            (
-                "mixquant.kld.engines",
-                "mixquant.kld.stats",
-                "mixquant.kld.run",
-                "mixquant.export.dequant",
-                "mixquant.search.score",
-                "mixquant.model.attention",
-            ),
-            ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm"),
+            "mixquant.kld.run:run_kld",
+            "runs",
+            tuple(sorted((*_ENGINE_MODULES, "mixquant.kld.stats"))),
+            _ENGINE_PACKAGES,
+            env="engine",
+            device="engine",
         ),
-        StageSpec("gate_kld", ("mixquant.kld.report", "mixquant.kld.run"), ("torch",)),
-        StageSpec("kld_report", ("mixquant.kld.report", "mixquant.kld.run"), ("pandas", "matplotlib")),
-        StageSpec("check_kld_gates", ("mixquant.kld.run",), ()),
-        # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
         StageSpec(
-            "export_checkpoint",
-            ("mixquant.export.checkpoint", "mixquant.export.inspect", "mixquant.export.predict"),
-            ("nvidia-modelopt", "safetensors", "transformers"),
+            "gate_kld",
+            "mixquant.kld.run:run_gate_kld",
+            "gate",
+            ("mixquant.kld.report", "mixquant.kld.run"),
+            ("torch",),
+        ),
+        StageSpec(
+            "kld_report",
+            "mixquant.kld.run:run_kld_report",
+            "report",
+            ("mixquant.kld.report", "mixquant.kld.run"),
+            ("pandas", "matplotlib"),
+        ),
+        StageSpec(
+            "check_kld_gates", "mixquant.kld.run:run_check_kld_gates", "verdict", ("mixquant.kld.run",), ()
         ),
         # Hashes of bytes the upstream stages wrote: the encodings live in the code, no package decides.
-        StageSpec("verify_hashes", ("mixquant.release.hashes", "mixquant.release.verify"), ()),
+        StageSpec(
+            "verify_hashes",
+            "mixquant.release.verify:run_verify_hashes",
+            "verify",
+            ("mixquant.release.hashes", "mixquant.release.verify"),
+            (),
+        ),
         # The bundle copies upstream files and writes the recipe, the KLD table and the model card (which
         # names the mixquant version, so it enters the key).
         StageSpec(
             "assemble_release",
+            "mixquant.release.bundle:run_assemble_release",
+            "release",
             (
                 "mixquant.release.bundle",
                 "mixquant.release.card",
@@ -142,30 +225,105 @@ STAGES: dict[str, StageSpec] = {
 }
 
 
-def installed_versions(names: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, str | None]:
-    """{distribution: version or None when not installed}."""
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+def stage_spec(stage: str) -> StageSpec:
+    try:
+        return STAGES[stage]
+    except KeyError:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}") from None
+
+
+def stage_env(stage: str, kld_engine: str) -> str:
+    """The conda environment (envs/<name>.yaml) ``stage``'s rule runs in, for the configured KLD engine."""
+    env = stage_spec(stage).env
+    if env == "engine":
+        return SERVE_ENV if kld_engine == "vllm" else QUANT_ENV
+    return env
 
 
 def computes_on_cpu(stage: str) -> bool:
     """Whether torch computes this stage's numbers (so the CPU numerics profile decides them)."""
-    return "torch" in STAGES[stage].numerics_packages
+    return "torch" in stage_spec(stage).numerics_packages
 
 
-def stage_preimage(stage: str, config_slice: Any, upstream: dict[str, str]) -> dict[str, Any]:
-    """The full key preimage of one stage run (its SHA-256 is the key)."""
-    spec = STAGES[stage]
-    return {
+def stage_device(stage: str, configured: str, kld_engine: str) -> str:
+    """Where ``stage`` computes: ``configured`` (numerics.device) for the forward stages and the rebuild (the
+    KLD stages only with the hf engine: vLLM places itself), else the CPU."""
+    device = stage_spec(stage).device
+    if device == "configured" or (device == "engine" and kld_engine == "hf"):
+        return configured
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class StageSoftware:
+    """The software one stage's job runs with, as its key names it."""
+
+    packages: dict[str, str | None]  # the stage's numerics packages -> version (None: not installed)
+    env: dict[str, str] | None  # under conda: {"name", "sha256"} of envs/<name>.yaml; enters the key (when
+    # packages decide the stage's numbers)
+    settings: dict[str, Any]  # for the job (not the key): deployment, env, python, where (a readable place)
+
+
+def stage_software(
+    stage: str, *, deployment: str, kld_engine: str, vllm_python: str | None = None
+) -> StageSoftware:
+    """The packages (and, under conda, the env file) that enter ``stage``'s key.
+
+    ``deployment`` "conda": the exact pins of the stage's envs/<name>.yaml and its content's SHA-256;
+    "venv": the versions installed in this process's environment, or for the vLLM stages with
+    ``vllm_python`` those of that interpreter (the engine runs there).
+    """
+    spec = stage_spec(stage)
+    env_name = stage_env(stage, kld_engine)
+    if deployment == "conda":
+        env = read_env_file(env_path(env_name))
+        return StageSoftware(
+            env_versions(env, spec.numerics_packages, stage),
+            # no package decides a download's or a hash check's result: its key keeps out of the env's
+            {"name": env.name, "sha256": env.sha256} if spec.numerics_packages else None,
+            {"deployment": "conda", "env": env.name, "python": None, "where": f"envs/{env.name}.yaml"},
+        )
+    if deployment != "venv":
+        raise ValueError(f"unknown software deployment {deployment!r} (conda or venv)")
+    if vllm_python and env_name == SERVE_ENV:
+        return StageSoftware(
+            python_versions(vllm_python, spec.numerics_packages),
+            None,
+            {"deployment": "venv", "env": None, "python": vllm_python, "where": "software.vllm_python"},
+        )
+    return StageSoftware(
+        installed_versions(spec.numerics_packages),
+        None,
+        {
+            "deployment": "venv",
+            "env": None,
+            "python": None,
+            "where": f"the venv planning ran in, {sys.prefix}",
+        },
+    )
+
+
+def stage_preimage(
+    stage: str,
+    config_slice: Any,
+    upstream: dict[str, str],
+    packages: dict[str, str | None] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The full key preimage of one stage run (its SHA-256 is the key).
+
+    ``packages``: the versions of the stage's numerics packages in the environment that runs it (default:
+    this process's); ``env``: the conda environment file it runs in (name and SHA-256), under conda only.
+    """
+    spec = stage_spec(stage)
+    preimage = {
         "key_schema": KEY_SCHEMA_VERSION,
         "stage": stage,
         "config": config_slice,
         "upstream": dict(sorted(upstream.items())),
         "code": code_identity(spec.numerics_modules),
-        "packages": installed_versions(spec.numerics_packages),
+        "packages": packages if packages is not None else installed_versions(spec.numerics_packages),
     }
+    if env is not None:
+        preimage["env"] = env
+    return preimage

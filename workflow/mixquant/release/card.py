@@ -365,7 +365,7 @@ def _serving_section(inputs: CardInputs, name: str) -> list[str]:
     lines.append(
         "vLLM reads ModelOpt `MIXED_PRECISION` checkpoints from `hf_quant_config.json` (NVFP4 W4A16 experts "
         "via Marlin; layers the file does not list load as BF16) and picks `modelopt_mixed` itself, so "
-        "no `--quantization` flag is needed (vLLM 0.34 has no `--quantization auto`: leaving the flag "
+        "no `--quantization` flag is needed (vLLM 0.33 has no `--quantization auto`: leaving the flag "
         "out is its auto-detection). "
         "Always pass `--kv-cache-dtype`: `auto` follows the checkpoint and would silently change the KV "
         "cache."

@@ -90,7 +90,7 @@ class Architecture:
     vllm_key_rewrite: tuple[str, str] | None = None
 
     def vllm_quantized_layers(self, quantized_layers: Mapping[str, Any]) -> dict[str, Any]:
-        """``quantized_layers`` with ModelOpt's keys as the serving engine (vLLM 0.34) resolves them."""
+        """``quantized_layers`` with ModelOpt's keys as the serving engine (vLLM 0.33) resolves them."""
         if self.vllm_key_rewrite is None:
             return dict(quantized_layers)
         modelopt, vllm = self.vllm_key_rewrite

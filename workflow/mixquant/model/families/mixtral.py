@@ -8,7 +8,7 @@ bias``). MiniMax publishes block-scaled FP8.
 """
 
 NAME = "mixtral"
-# hf_quant_config.json's quantized_layers keys as vLLM 0.34 resolves them, where they differ from the
+# hf_quant_config.json's quantized_layers keys as vLLM 0.33 resolves them, where they differ from the
 # ones ModelOpt 0.47 writes (the disk name, ``block_sparse_moe``): vLLM's minimax_m2.py builds its
 # routed experts under the prefix ``model.layers.L.mlp.experts`` (minimax_m2.py:285-289), so ModelOpt's
 # keys would match nothing and the experts would load as BF16 (tests/export/test_vllm_resolution.py).

@@ -3,9 +3,9 @@
 Only the class statements and their attribute blocks are copied (``@support_torch_compile``
 decorators and every method omitted); the bases other than ``SupportsQuant`` are empty stand-ins.
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -34,7 +34,7 @@ from .models_utils import WeightsMapper
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/laguna.py:59-67
+# >>> vllm 0.33.0 vllm/model_executor/models/laguna.py:59-67
 def get_mlp_layer_types(config) -> list[str]:
     """Return which layers are MoE, rejecting configs predating Transformers support."""
     mlp_layer_types = getattr(config, "mlp_layer_types", None)
@@ -44,12 +44,12 @@ def get_mlp_layer_types(config) -> list[str]:
             "available from v5.17.0. Please update Transformers to run this model."
         )
     return mlp_layer_types
-# <<< vllm 0.34.0 vllm/model_executor/models/laguna.py:59-67
+# <<< vllm 0.33.0 vllm/model_executor/models/laguna.py:59-67
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/laguna.py:569-576
+# >>> vllm 0.33.0 vllm/model_executor/models/laguna.py:569-576
 class LagunaModel(nn.Module, EagleModelMixin):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
@@ -58,24 +58,24 @@ class LagunaModel(nn.Module, EagleModelMixin):
             ".v_proj": (".qkv_proj", "v"),
         }
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/laguna.py:569-576
+# <<< vllm 0.33.0 vllm/model_executor/models/laguna.py:569-576
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/laguna.py:697-702
+# >>> vllm 0.33.0 vllm/model_executor/models/laguna.py:697-702
 class LagunaForCausalLM(nn.Module, SupportsPP, SupportsLoRA, SupportsEagle3):
     fall_back_to_pt_during_load = False
 
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     }
-# <<< vllm 0.34.0 vllm/model_executor/models/laguna.py:697-702
+# <<< vllm 0.33.0 vllm/model_executor/models/laguna.py:697-702
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/qwen3_moe.py:435-448
+# >>> vllm 0.33.0 vllm/model_executor/models/qwen3_moe.py:435-448
 class Qwen3MoeModel(nn.Module, EagleModelMixin):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
@@ -90,12 +90,12 @@ class Qwen3MoeModel(nn.Module, EagleModelMixin):
             ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
         }
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/qwen3_moe.py:435-448
+# <<< vllm 0.33.0 vllm/model_executor/models/qwen3_moe.py:435-448
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/qwen3_moe.py:543-566
+# >>> vllm 0.33.0 vllm/model_executor/models/qwen3_moe.py:543-566
 class Qwen3MoeForCausalLM(
     nn.Module,
     SupportsPP,
@@ -120,20 +120,20 @@ class Qwen3MoeForCausalLM(
     }
 
     fall_back_to_pt_during_load = False
-# <<< vllm 0.34.0 vllm/model_executor/models/qwen3_moe.py:543-566
+# <<< vllm 0.33.0 vllm/model_executor/models/qwen3_moe.py:543-566
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:1427-1428
+# >>> vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:1427-1428
 class DeepseekV2Model(nn.Module):
     fall_back_to_pt_during_load = False
-# <<< vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:1427-1428
+# <<< vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:1427-1428
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:1872-1883
+# >>> vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:1872-1883
 class DeepseekV2ForCausalLM(
     nn.Module,
     SupportsPP,
@@ -146,20 +146,20 @@ class DeepseekV2ForCausalLM(
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     model_cls = DeepseekV2Model
-# <<< vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:1872-1883
+# <<< vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:1872-1883
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:2005-2006
+# >>> vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:2005-2006
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     pass
-# <<< vllm 0.34.0 vllm/model_executor/models/deepseek_v2.py:2005-2006
+# <<< vllm 0.33.0 vllm/model_executor/models/deepseek_v2.py:2005-2006
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/glm4_moe.py:403-415
+# >>> vllm 0.33.0 vllm/model_executor/models/glm4_moe.py:403-415
 class Glm4MoeModel(nn.Module):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
@@ -173,12 +173,12 @@ class Glm4MoeModel(nn.Module):
             ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
         }
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/glm4_moe.py:403-415
+# <<< vllm 0.33.0 vllm/model_executor/models/glm4_moe.py:403-415
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/glm4_moe.py:534-547
+# >>> vllm 0.33.0 vllm/model_executor/models/glm4_moe.py:534-547
 class Glm4MoeForCausalLM(nn.Module, SupportsPP, SupportsLoRA, Glm4MixtureOfExperts):
     packed_modules_mapping = {
         "qkv_proj": [
@@ -193,12 +193,12 @@ class Glm4MoeForCausalLM(nn.Module, SupportsPP, SupportsLoRA, Glm4MixtureOfExper
     }
 
     fall_back_to_pt_during_load = False
-# <<< vllm 0.34.0 vllm/model_executor/models/glm4_moe.py:534-547
+# <<< vllm 0.33.0 vllm/model_executor/models/glm4_moe.py:534-547
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/kimi_k25.py:291-320
+# >>> vllm 0.33.0 vllm/model_executor/models/kimi_k25.py:291-320
 class KimiK25ForConditionalGeneration(
     nn.Module,
     SupportsMultiModal,
@@ -229,12 +229,12 @@ class KimiK25ForConditionalGeneration(
             "mm_projector.proj.2": "mm_projector.linear_2",
         }
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/kimi_k25.py:291-320
+# <<< vllm 0.33.0 vllm/model_executor/models/kimi_k25.py:291-320
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/mixtral.py:284-299
+# >>> vllm 0.33.0 vllm/model_executor/models/mixtral.py:284-299
 class MixtralModel(nn.Module):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
@@ -251,12 +251,12 @@ class MixtralModel(nn.Module):
             ".down_proj.": ".w2.",
         },
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/mixtral.py:284-299
+# <<< vllm 0.33.0 vllm/model_executor/models/mixtral.py:284-299
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/mixtral.py:375-391
+# >>> vllm 0.33.0 vllm/model_executor/models/mixtral.py:375-391
 class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, MixtureOfExperts):
     fall_back_to_pt_during_load = False
 
@@ -274,12 +274,12 @@ class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, MixtureOfExperts):
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
-# <<< vllm 0.34.0 vllm/model_executor/models/mixtral.py:375-391
+# <<< vllm 0.33.0 vllm/model_executor/models/mixtral.py:375-391
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/minimax_m2.py:321-331
+# >>> vllm 0.33.0 vllm/model_executor/models/minimax_m2.py:321-331
 class MiniMaxM2Model(nn.Module, EagleModelMixin):
     fall_back_to_pt_during_load = False
 
@@ -291,12 +291,12 @@ class MiniMaxM2Model(nn.Module, EagleModelMixin):
             ".v_proj": (".qkv_proj", "v"),
         }
     )
-# <<< vllm 0.34.0 vllm/model_executor/models/minimax_m2.py:321-331
+# <<< vllm 0.33.0 vllm/model_executor/models/minimax_m2.py:321-331
 # fmt: on
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/minimax_m2.py:428-436
+# >>> vllm 0.33.0 vllm/model_executor/models/minimax_m2.py:428-436
 class MiniMaxM2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsEagle3):
     hf_to_vllm_mapper = MiniMaxM2Model.hf_to_vllm_mapper
     packed_modules_mapping = {
@@ -306,5 +306,5 @@ class MiniMaxM2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsEagle3):
             "v_proj",
         ],
     }
-# <<< vllm 0.34.0 vllm/model_executor/models/minimax_m2.py:428-436
+# <<< vllm 0.33.0 vllm/model_executor/models/minimax_m2.py:428-436
 # fmt: on

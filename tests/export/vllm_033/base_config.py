@@ -2,9 +2,9 @@
 the ModelOpt mixed-precision config uses to parse and resolve layer names (abstract methods,
 weight-loading hooks and the rest omitted).
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:121-141
+# >>> vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:109-129
 class QuantizationConfig(ABC):
     """Base class for quantization configs."""
 
@@ -45,15 +45,15 @@ class QuantizationConfig(ABC):
         # mapping is updated by models as they initialize
         self.packed_modules_mapping: dict[str, list[str]] = dict()
 
-# <<< vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:121-141
+# <<< vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:109-129
 # fmt: on
 
 
-    # [omitted: base_config.py:142-195 (abstract interface)]
+    # [omitted: base_config.py:130-183 (abstract interface)]
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:196-205
+# >>> vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:184-193
     @staticmethod
     def get_from_keys(config: dict[str, Any], keys: list[str]) -> Any:
         """Get a value from the model's quantization config."""
@@ -64,15 +64,15 @@ class QuantizationConfig(ABC):
             f"Cannot find any of {keys} in the model's quantization config."
         )
 
-# <<< vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:196-205
+# <<< vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:184-193
 # fmt: on
 
 
-    # [omitted: base_config.py:206-276]
+    # [omitted: base_config.py:194-260]
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:277-289
+# >>> vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:261-273
     def apply_vllm_mapper(  # noqa: B027
         self, hf_to_vllm_mapper: "WeightsMapper"
     ):
@@ -86,5 +86,5 @@ class QuantizationConfig(ABC):
         """
         # TODO (@kylesayrs): add implementations for all subclasses
         pass
-# <<< vllm 0.34.0 vllm/model_executor/layers/quantization/base_config.py:277-289
+# <<< vllm 0.33.0 vllm/model_executor/layers/quantization/base_config.py:261-273
 # fmt: on

@@ -1,8 +1,8 @@
 """``WeightsMapper`` from vllm/model_executor/models/utils.py (its torch-only ``apply`` omitted).
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -20,21 +20,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers.conversion_mapping import WeightRenaming
 
-from ._stubs import ShardIds, WeightsTransformFn, init_logger
+from ._stubs import ShardIds, init_logger
 
 logger = init_logger(__name__)
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/utils.py:54-157
+# >>> vllm 0.33.0 vllm/model_executor/models/utils.py:48-146
 @dataclass
 class WeightsMapper:
     """Maps the name of each weight if they match the following patterns.
 
-    If a key maps to a value of `None`, the corresponding weight is ignored.
-
-    ``weights_transforms`` rewrite the raw weight stream in list order before
-    any name mapping."""
+    If a key maps to a value of `None`, the corresponding weight is ignored."""
 
     orig_to_new_renaming: list["WeightRenaming"] = field(default_factory=list)
     orig_to_new_regex: Mapping[re.Pattern, str | None] = field(default_factory=dict)
@@ -44,7 +41,6 @@ class WeightsMapper:
     )
     orig_to_new_prefix: Mapping[str, str | None] = field(default_factory=dict)
     orig_to_new_suffix: Mapping[str, str | None] = field(default_factory=dict)
-    weights_transforms: list[WeightsTransformFn] = field(default_factory=list)
 
     def __or__(self, other: "WeightsMapper") -> "WeightsMapper":
         """Combine two `WeightsMapper`s by merging their mappings."""
@@ -61,7 +57,6 @@ class WeightsMapper:
             },
             orig_to_new_prefix={**self.orig_to_new_prefix, **other.orig_to_new_prefix},
             orig_to_new_suffix={**self.orig_to_new_suffix, **other.orig_to_new_suffix},
-            weights_transforms=[*self.weights_transforms, *other.weights_transforms],
         )
 
     def map_name(self, key: str) -> str | None:
@@ -131,15 +126,15 @@ class WeightsMapper:
 
         return key, shard_id
 
-# <<< vllm 0.34.0 vllm/model_executor/models/utils.py:54-157
+# <<< vllm 0.33.0 vllm/model_executor/models/utils.py:48-146
 # fmt: on
 
 
-    # [omitted: WeightsMapper.apply, utils.py:158-178 (streams torch tensors; unused here)]
+    # [omitted: WeightsMapper.apply, utils.py:147-165 (streams torch tensors; unused here)]
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/utils.py:179-213
+# >>> vllm 0.33.0 vllm/model_executor/models/utils.py:166-199
     def apply_list(self, values: list[str]) -> list[str]:
         return [
             out_name
@@ -173,7 +168,6 @@ class WeightsMapper:
             orig_to_new_stacked={},
             orig_to_new_prefix=remove_none(self.orig_to_new_prefix),
             orig_to_new_suffix=remove_none(self.orig_to_new_suffix),
-            weights_transforms=[],
         )
-# <<< vllm 0.34.0 vllm/model_executor/models/utils.py:179-213
+# <<< vllm 0.33.0 vllm/model_executor/models/utils.py:166-199
 # fmt: on

@@ -3,9 +3,9 @@
 (vllm/transformers_utils/model_arch_config_convertor.py), which set ``quant_method`` for ModelOpt
 configs (``modelopt_mixed`` for MIXED_PRECISION) before the quantization method is chosen.
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -26,7 +26,7 @@ class ModelArchConfigConvertorBase:
         self.hf_config = hf_config
 
     # fmt: off
-    # >>> vllm 0.34.0 vllm/transformers_utils/model_arch_config_convertor.py:241-292
+    # >>> vllm 0.33.0 vllm/transformers_utils/model_arch_config_convertor.py:241-292
     def _normalize_quantization_config(self, config: PreTrainedConfig):
         quant_cfg = getattr(config, "quantization_config", None)
         if quant_cfg is None:
@@ -79,7 +79,5 @@ class ModelArchConfigConvertorBase:
             # Check the text config as well for multi-modal models.
             quant_cfg = self._normalize_quantization_config(text_config)
         return quant_cfg
-
-
-# <<< vllm 0.34.0 vllm/transformers_utils/model_arch_config_convertor.py:241-292
-# fmt: on
+    # <<< vllm 0.33.0 vllm/transformers_utils/model_arch_config_convertor.py:241-292
+    # fmt: on

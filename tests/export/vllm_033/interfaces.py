@@ -1,8 +1,8 @@
 """``SupportsQuant`` from vllm/model_executor/models/interfaces.py (applies the model's mapper).
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/models/interfaces.py:1259-1298
+# >>> vllm 0.33.0 vllm/model_executor/models/interfaces.py:1260-1299
 class SupportsQuant:
     """The interface required for all models that support quantization."""
 
@@ -62,5 +62,5 @@ class SupportsQuant:
             self.quant_config.apply_vllm_mapper(hf_to_vllm_mapper.get_rename_mapper())
         if packed_modules_mapping := getattr(self, "packed_modules_mapping", None):
             self.quant_config.packed_modules_mapping.update(packed_modules_mapping)
-# <<< vllm 0.34.0 vllm/model_executor/models/interfaces.py:1259-1298
+# <<< vllm 0.33.0 vllm/model_executor/models/interfaces.py:1260-1299
 # fmt: on

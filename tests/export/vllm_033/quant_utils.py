@@ -1,8 +1,8 @@
 """``is_layer_skipped`` from vllm/model_executor/layers/quantization/utils/quant_utils.py.
 
-Verbatim excerpts of vLLM 0.34.0 (PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl,
-sha256 79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2).
-Each excerpt sits between ``# >>> vllm 0.34.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
+Verbatim excerpts of vLLM 0.33.0 (PyPI wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl,
+sha256 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa).
+Each excerpt sits between ``# >>> vllm 0.33.0 <file>:<first>-<last>`` and ``# <<< ...`` markers
 and is byte-identical to those lines of the wheel's file, except lines ending in
 ``# replaced import`` (an import of vLLM replaced by the local stand-in). Everything outside the
 markers (this docstring, the imports, ``_stubs``) is not vLLM code. See README.md;
@@ -15,7 +15,7 @@ from typing import Literal
 
 
 # fmt: off
-# >>> vllm 0.34.0 vllm/model_executor/layers/quantization/utils/quant_utils.py:634-708
+# >>> vllm 0.33.0 vllm/model_executor/layers/quantization/utils/quant_utils.py:619-693
 def is_layer_skipped(
     prefix: str,
     ignored_layers: list[str],
@@ -91,5 +91,5 @@ def is_layer_skipped(
 
     assert is_skipped is not None
     return is_skipped
-# <<< vllm 0.34.0 vllm/model_executor/layers/quantization/utils/quant_utils.py:634-708
+# <<< vllm 0.33.0 vllm/model_executor/layers/quantization/utils/quant_utils.py:619-693
 # fmt: on

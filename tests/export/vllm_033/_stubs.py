@@ -12,16 +12,11 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-# vllm.model_executor.models.utils: ShardId / ShardIds / WeightsTransformFn type aliases (utils.py:42-51).
+# vllm.model_executor.models.utils: ShardId / ShardIds type aliases (utils.py:42-45).
 ShardIds = Any
-WeightsTransformFn = Any
 
 # vllm.model_executor.layers.quantization.QuantizationMethods is a Literal of method names.
 QuantizationMethods = str
-
-# vllm.model_executor.layers.quantization.utils.nvfp4_utils.CSF_SCALE_ENCODINGS (nvfp4_utils.py:257-266):
-# only its keys are read by the excerpts (the values are decoder functions).
-CSF_SCALE_ENCODINGS: dict[str, Any] = dict.fromkeys(("csf", "csf_32x2_v1"))
 
 
 class _Logger:
