@@ -81,13 +81,20 @@ def test_job_request_doubles_per_attempt_and_falls_back_without_geometry(laguna)
     geometry = planning_geometry(laguna, REPO)
     layer = next(art for art in arts.values() if art.stage == "quantize_layer")
     first, second = job_request(laguna, geometry, layer, 1), job_request(laguna, geometry, layer, 2)
-    assert set(first) == {"mem_mb", "runtime", "disk_mb"}
+    assert set(first) == {"mem_mb", "runtime", "disk_mb", "gpu", "nodes"}
+    assert first["gpu"] == 1 and first["nodes"] == 1  # numerics.device: cuda, one node
     # memory and time double per retry; what a job writes does not grow
     assert second == {
         **{name: 2 * first[name] for name in ("mem_mb", "runtime")},
-        "disk_mb": first["disk_mb"],
+        **{name: first[name] for name in ("disk_mb", "gpu", "nodes")},
     }
-    assert job_request(laguna, None, layer) == {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
+    assert job_request(laguna, None, layer) == {
+        "mem_mb": 4000,
+        "runtime": 60,
+        "disk_mb": 50000,
+        "gpu": 1,
+        "nodes": 1,
+    }
 
 
 def test_a_dead_owners_lock_is_removed_a_live_one_is_kept(tmp_path):

@@ -108,3 +108,31 @@ def test_profile_enters_the_keys_of_computing_stages_only():
             assert art.settings["numerics"] == {"profile": "portable", "threads": 1, "device": "cpu"}
             assert portable[name] != native[name] and portable[name] != threads[name], name
     assert portable == _keys()  # the default is portable, one thread
+
+
+def test_on_aarch64_the_portable_profile_pins_neon_and_no_x86_setting(monkeypatch):
+    """A Grace (aarch64) node: the profile pins ATen's DEFAULT (NEON) capability, sets nothing x86 (no
+    AVX2, no oneDNN ISA, no MKL), and its key differs from x86-64's; the x86 profile is unchanged. Checked
+    here as far as an x86 host can: the profile logic, and a process entering it end to end."""
+    import platform
+
+    x86 = profile_settings("portable", 1)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    arm = profile_settings("portable", 1)
+    assert arm["cpu_capability"] == "DEFAULT" and arm["mkl_cbwr"] is None and arm["architecture"] == "aarch64"
+    assert arm["environment"] == {
+        "ATEN_CPU_CAPABILITY": "default",
+        "OMP_DYNAMIC": "FALSE",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert key_identity("portable", 1) != x86
+    monkeypatch.undo()
+    assert profile_settings("portable", 1) == x86 and x86["cpu_capability"] == "AVX2"
+    # a process that believes it is on aarch64 enters the profile and computes (torch's DEFAULT kernels)
+    code = (
+        "import platform; platform.machine = lambda: 'aarch64'\n"
+        "from mixquant.numerics import enter\n"
+        "print(enter('portable', 1)['decisive']['cpu_capability'])\n"
+    )
+    done = _run(code)
+    assert done.returncode == 0 and done.stdout.strip() == "DEFAULT", done.stderr

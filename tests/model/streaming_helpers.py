@@ -41,7 +41,8 @@ def laguna_config(**overrides):
 def write_random_checkpoint(config, out: Path, *, seed: int = 0, scale: float = 0.05) -> Path:
     """A random bf16 checkpoint in the upstream layout, written one decoder layer at a time (one shard per
     layer, so even a large one never sits in memory), with an index; routers spread over the experts and
-    a sharp lm_head so that KL scores are well above rounding noise."""
+    a sharp lm_head so that KL scores are well above rounding noise. The float32 draws are scaled in
+    place and dropped once rounded: a layer of the real Laguna size (5 GB in bf16) peaks near 11 GB."""
     from mixquant.model.layout import (
         CONFIG_FILE,
         INDEX_FILE,
@@ -66,14 +67,15 @@ def write_random_checkpoint(config, out: Path, *, seed: int = 0, scale: float = 
     for index, (_, names) in enumerate(ordered):
         tensors = {}
         for name in names:
-            tensor = torch.randn(shapes[name], generator=generator) * scale
+            tensor = torch.randn(shapes[name], generator=generator).mul_(scale)
             if name.endswith("norm.weight"):
-                tensor = 1 + tensor
+                tensor.add_(1)
             elif name.endswith("gate.weight"):
-                tensor = tensor * 20  # spread the routing over many experts
+                tensor.mul_(20)  # spread the routing over many experts
             elif name.startswith("lm_head"):
-                tensor = tensor * 8
+                tensor.mul_(8)
             tensors[name] = tensor.to(torch.bfloat16)
+            del tensor
         upstream = {n: t.contiguous() for n, t in hf_to_upstream_state_dict(tensors).items()}
         file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(upstream, str(out / file), metadata={"format": "pt"})

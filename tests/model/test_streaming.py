@@ -1,11 +1,14 @@
 """Layer streaming (mixquant.model.streaming) and the branch-parallel scorer (mixquant.search.branches):
-bit-identical to the whole-model forward and the per-layer suffix scorer, each layer read once per pass,
+bit-identical to the whole-model forward and the per-layer suffix scorer, layers read into their fused
+parameters exactly as transformers' conversion builds them (every family), each layer read once per pass,
 bytes read as the cost model says, bounded resident memory, and a killed scoring pass that resumes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,11 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from mixquant.checkpoint.shards import ShardReader
+from mixquant.checkpoint.shards import CheckpointError, ShardReader
 from mixquant.model.streaming import StreamedModel
 from mixquant.search.branches import PROGRESS_FILE, branch_parallel_scores
 from mixquant.search.score import LayerQuant, load_search_model, scores_table, sensitivity_scores
 from streaming_helpers import laguna_config, score, write_random_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
+from family_models import SPECS, make_instance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).with_name("streaming_helpers.py")
@@ -56,6 +62,138 @@ def test_streamed_forward_equals_the_whole_model(checkpoint):
         got = stream.forward([ids[0:2], ids[2:4]])
         assert dict(stream.reader.reads) == dict.fromkeys(range(stream.num_layers), 1)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class RecordingReader(ShardReader):
+    """A reader that records which tensors were read straight into a caller's buffer (``into``)."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir)
+        self.read_in_place: set[str] = set()
+
+    def read(self, names, **kwargs):
+        self.read_in_place.update(kwargs.get("into") or {})
+        return super().read(names, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def export(laguna4, tmp_path_factory) -> Path:
+    """A ModelOpt export of ``laguna4``: NVFP4 W4A16, FP8 and BF16 MoE layers (the dequantizing path)."""
+    from mixquant.quantize.reference import modelopt_reference_export
+
+    out = tmp_path_factory.mktemp("export")
+    ids = _ids(laguna4, 4, 12, seed=2)
+    modelopt_reference_export(laguna4, ids, {1: "nvfp4_w4a16", 2: "fp8", 3: "bf16"}, out, batch_size=2)
+    return out
+
+
+LOAD_CASES = ["toy", "laguna4", "laguna4-as-float32", "export-dequantized", *SPECS]
+
+
+@pytest.fixture(params=LOAD_CASES)
+def load_case(request, laguna4, tmp_path_factory) -> tuple[Path, dict]:
+    """A checkpoint and the StreamedModel settings it streams with: the toy, the Laguna test checkpoint (also
+    loaded as float32: the fused parameter is cast like any tensor), a ModelOpt export dequantized as it is
+    read, and a small instance of every other family's class in its upstream layout."""
+    if request.param == "toy":
+        return TOY, {}
+    if request.param == "laguna4":
+        return laguna4, {}
+    if request.param == "laguna4-as-float32":
+        return laguna4, {"dtype": torch.float32}
+    if request.param == "export-dequantized":
+        return request.getfixturevalue("export"), {"dequantize": True}
+    return make_instance(request.param, tmp_path_factory.mktemp(request.param)), {}
+
+
+def _loaded_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of ``module`` that are loaded (a streamed model's other layers are on meta)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {name: tensor for name, tensor in named if tensor.device.type != "meta"}
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return type(tensor), tensor.dtype, tensor.shape, tensor.stride(), tensor.device, tensor.requires_grad
+
+
+def _assert_same_tensors(want: torch.nn.Module, got: torch.nn.Module, what: str) -> None:
+    """Every loaded parameter and buffer: the same names, types, dtypes, shapes, strides, devices, values."""
+    want_all, got_all = _loaded_tensors(want), _loaded_tensors(got)
+    assert want_all
+    assert sorted(got_all) == sorted(want_all), what
+    for name, tensor in want_all.items():
+        assert _layout(got_all[name]) == _layout(tensor), f"{what}: {name}"
+        assert torch.equal(got_all[name], tensor), f"{what}: {name}"
+
+
+def _assert_fused_reads_exact(model_dir: Path, settings: dict) -> None:
+    """Every layer streamed with fused reads (prefetching) against the same layer loaded by transformers'
+    conversion alone; every routed-expert tensor of an upstream checkpoint read straight into place."""
+    reader = RecordingReader(model_dir)
+    with (
+        StreamedModel(model_dir, fused_reads=False, prefetch=False, **settings) as reference,
+        StreamedModel(model_dir, reader=reader, **settings) as fused,
+    ):
+        _assert_same_tensors(reference.model, fused.model, "embeddings, final norm, lm_head")
+        for i, layer in fused.stream():
+            _assert_same_tensors(reference.load_layer(i), layer, f"layer {i}")
+            reference.release_layer(i)
+        assert dict(reader.reads) == dict.fromkeys(range(fused.num_layers), 1)
+    experts = {name for name in reader.names if re.search(r"\.experts\.\d+\.", name)}
+    assert experts
+    assert reader.read_in_place == (set() if settings.get("dequantize") else experts)
+
+
+def test_fused_reads_build_exactly_what_transformers_conversion_builds(load_case):
+    """Every parameter of every layer (and of the embeddings and head), loaded with fused reads and
+    prefetching, is bit for bit what transformers' own conversion builds from the per-expert tensors."""
+    _assert_fused_reads_exact(*load_case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["laguna4", "export-dequantized"])
+def test_fused_reads_on_cuda_build_what_transformers_conversion_builds(case, request):
+    """The same on CUDA: pinned fused buffers, copied to the device by transformers' loader."""
+    model_dir = request.getfixturevalue("laguna4" if case == "laguna4" else "export")
+    _assert_fused_reads_exact(model_dir, {"device": "cuda", "dequantize": case != "laguna4"})
+
+
+def test_an_expert_missing_from_the_index_fails_as_transformers_does(laguna4, tmp_path):
+    """A parameter the fused reads cannot build (an expert's up projection not in the index) is left to
+    transformers' conversion, which reports it: the same error either way."""
+    broken = tmp_path / "broken"
+    shutil.copytree(laguna4, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.experts.3.up_proj.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    errors = []
+    for fused_reads in (False, True):
+        with StreamedModel(broken, fused_reads=fused_reads, prefetch=False) as stream:
+            with pytest.raises(CheckpointError, match="layer 1: cannot load") as error:
+                stream.load_layer(1)
+            errors.append(str(error.value))
+    assert errors[0] == errors[1]
+
+
+def test_reads_into_given_tensors_count_as_reads(laguna4):
+    """``ShardReader.read(into=...)`` fills the caller's tensors (slices of one buffer here) with the bytes a
+    plain read returns, and counts the same reads, tensors and bytes; a destination of another dtype or
+    shape is refused before anything is read."""
+    names = ShardReader(laguna4).layer_names(1)
+    plain_reader, into_reader = ShardReader(laguna4), ShardReader(laguna4)
+    plain = plain_reader.read(names)
+    up = [name for name in names if name.endswith("up_proj.weight") and ".experts." in name]
+    buffer = torch.empty((len(up), *plain[up[0]].shape), dtype=plain[up[0]].dtype)
+    into = {name: buffer[i] for i, name in enumerate(up)}
+    got = into_reader.read(names, into=into)
+    assert all(got[name] is into[name] for name in up)
+    assert all(torch.equal(got[name], plain[name]) for name in names)
+    assert torch.equal(buffer, torch.stack([plain[name] for name in up]))
+    counters = [(r.reads, r.bytes_read, r.tensors_read) for r in (plain_reader, into_reader)]
+    assert counters[0] == counters[1]
+    with pytest.raises(ValueError, match="cannot read BF16"):
+        into_reader.read(names, into={up[0]: buffer[0].float()})
+    assert (into_reader.reads, into_reader.bytes_read) == counters[0][:2]
 
 
 def _quants(model_dir: Path) -> dict[str, dict[int, LayerQuant]]:

@@ -62,12 +62,42 @@ def slurm_cluster(tmp_path_factory):
         subprocess.run(["bash", str(SLURM_TOOLS / "stop.sh"), str(state)], check=False)
 
 
+# The toy computes on the CPU (numerics.device: cpu, the hf engine): its jobs ask for no GPU. To put GPU
+# requests through the real plugin and SLURM as well, the KLD jobs are given the 4 fake GPUs here, the way a
+# site would override a rule's resources.
+GPU_OVERRIDE = ("--set-resources", "reference_logits:gpu=4", "run_kld:gpu=4")
+
+
+def submitted_calls(log: str) -> list[tuple[str, str | None, str]]:
+    """(rule, output key or None, sbatch options) of every submission the plugin logged (--verbose:
+    "sbatch call: ..."); its comment names the rule and, for a keyed rule, the key wildcard."""
+    from mixquant.slurm import submitted_options
+
+    calls = []
+    for line in log.splitlines():
+        if "sbatch call: " not in line:
+            continue
+        call = line.split("sbatch call: ", 1)[1].split(" --wrap=", 1)[0]
+        comment = re.search(r"--comment '?rule_(\w+?)(?:_wildcards_([0-9a-f]{64}))?'?(?: |$)", call)
+        calls.append((comment.group(1), comment.group(2), submitted_options(call)))
+    return calls
+
+
+def targets_keys(targets: dict[str, str]) -> set[str]:
+    return {path.rstrip("/").rsplit("/", 1)[1] for path in targets.values()}
+
+
 def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_workdir, workdir):
     wd = workdir
     targets = slice_targets(wd)
     assert targets == slice_targets(built_workdir)  # same config, same keys
+    # what `mixquant plan` says the plugin will submit, job by job
+    plan = json.loads(
+        wd.mixquant("plan", "--json", "--profile", "profiles/slurm-local", "--", *GPU_OVERRIDE).stdout
+    )
+    planned = {job["outputs"][0].rstrip("/").rsplit("/", 1)[1]: job for job in plan["jobs"]}
     started = time.monotonic()
-    result = wd.snakemake("--profile", "profiles/slurm-local", *targets.values())
+    result = wd.snakemake("--profile", "profiles/slurm-local", "--verbose", *targets.values(), *GPU_OVERRIDE)
     seconds = time.monotonic() - started
     log = result.stdout + result.stderr
     submitted = re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", log)
@@ -80,7 +110,20 @@ def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_wor
     job_ids = {int(slurm_id) for _, slurm_id in submitted}
     slurm_logs = list((wd.root / ".snakemake" / "slurm_logs").rglob("*.log"))
     assert {int(p.stem) for p in slurm_logs} >= job_ids or len(slurm_logs) >= len(job_ids)
-    # the GPU rules asked for 4 GPUs and got them (fake GRES): their jobs saw CUDA_VISIBLE_DEVICES
+    # the plugin submitted each job with exactly the options the plan printed
+    calls = submitted_calls(log)
+    assert len(calls) == len(submitted), calls
+    for rule, key, options in calls:
+        if key is None:  # a rule whose one job's path is fixed at planning
+            (key,) = [k for k, job in planned.items() if job["rule"] == rule and k in targets_keys(targets)]
+        assert planned[key]["rule"] == rule and options == planned[key]["sbatch"], (
+            rule,
+            options,
+            planned[key],
+        )
+    gpu_jobs = [options for _, _, options in calls if "--gpus=4" in options]
+    assert len(gpu_jobs) == 2 and all("--nodes=1" in options for _, _, options in calls)
+    # the GPU jobs got their 4 fake GPUs (GRES): SLURM ran them
     for rule in ("reference_logits", "run_kld"):
         logs = list((wd.root / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
         assert logs, f"no SLURM log for {rule}"

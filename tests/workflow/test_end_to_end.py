@@ -1,6 +1,6 @@
 """The default DAG for real: the shipped toy Laguna, sample calibration, pin the prompt.
 
-Then the cache behaviour DESIGN.md promises: a no-op rerun plans nothing; a changed knob reruns
+Then the cache behaviour the README promises: a no-op rerun plans nothing; a changed knob reruns
 exactly its stage; reverting it reruns nothing and finds the earlier directory.
 """
 

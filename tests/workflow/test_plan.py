@@ -177,9 +177,13 @@ def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(wo
         assert job["reason"].startswith("Missing output files"), job
         resources = job["resources"]
         assert int(resources["mem_mb"]) >= 2000 and int(resources["runtime"]) >= 10, job
-        gpus = {**dict.fromkeys(DEVICE_RULES, "1"), **dict.fromkeys(ENGINE_RULES, "4")}.get(job["rule"])
-        assert resources.get("gpu") == gpus, job
-        assert resources["slurm_partition"] == ("gpu" if gpus else "cpu"), job
+        gpus = {**dict.fromkeys(DEVICE_RULES, "1"), **dict.fromkeys(ENGINE_RULES, "4")}.get(job["rule"], "0")
+        assert resources["gpu"] == gpus and resources["nodes"] == "1", job
+        # what the SLURM plugin submits: the partition its partition file picks, one node, the GPUs
+        options = job["sbatch"].split()
+        assert options[options.index("-p") + 1] == ("gpu" if gpus != "0" else "cpu"), job
+        assert "--nodes=1" in options and (f"--gpus={gpus}" in options) == (gpus != "0"), job
+        assert not any(option.startswith("--gpus") for option in options) or gpus != "0", job
     # streamed: no job holds the BF16 model (~236 GB); a forward job holds about two layers and its states
     by_rule = {job["rule"]: job["resources"] for job in jobs}
     assert all(int(by_rule[rule]["mem_mb"]) <= 64 * 1024 for rule in by_rule)
@@ -216,6 +220,31 @@ def test_laguna_plan_lists_every_job_with_resources_and_estimates_every_stage(wo
     ).stdout
     assert "| export_checkpoint (after solve) | 1 |" in text and "gpu=4" in text
     assert "Critical path (64 jobs at once):" in text
+    assert re.search(r"^  reference_logits +1 x  -p gpu .*--nodes=1 .*--gpus=4$", text, re.M), text
+    assert re.search(r"^  quantize_layer +47 x  -p gpu .*--nodes=1 .*--gpus=1$", text, re.M), text
+    assert re.search(
+        r"^  sample_calibration +1 x  -p cpu .*--nodes=1 --ntasks=1 --cpus-per-task=2$", text, re.M
+    )
+    # it ends with what stops the run: the unpinned dataset revisions and the prompt only the user has
+    tail = text[text.index("not ready to run") :].splitlines()
+    assert tail[0] == "not ready to run: 2 things will stop the run"
+    assert tail[1].startswith("  - dataset.hub[0].revision") and "not pinned" in tail[1]
+    assert tail[2].startswith(
+        "  - prompt.token_ids_file: data/prompts/laguna-s-2.1-prompt.safetensors does not"
+    )
+    assert len(tail) == 3
+
+
+def test_a_cpu_config_on_the_slurm_profile_asks_for_no_gpu(workdir):
+    """numerics.device: cpu and the hf engine on the GPU cluster's profile: every job to the CPU partition,
+    none with a GPU; and the toy, whose inputs are all here, is ready to run."""
+    plan = json.loads(
+        workdir.mixquant("plan", "--json", "--no-env-check", "--profile", "profiles/slurm-blackwell").stdout
+    )
+    for job in plan["jobs"]:
+        assert job["resources"]["gpu"] == "0", job
+        assert " -p cpu " in f" {job['sbatch']} " and "--gpus" not in job["sbatch"], job
+    assert plan["ready"] is True and plan["blockers"] == []
 
 
 def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
@@ -235,7 +264,7 @@ def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
     )
     for job in plan["jobs"]:
         if job["rule"] in DEVICE_RULES + ENGINE_RULES:
-            assert job["resources"]["slurm_partition"] == "gpu" and int(job["resources"]["gpu"]) >= 1, job
+            assert " -p gpu " in f" {job['sbatch']} " and int(job["resources"]["gpu"]) >= 1, job
     rows = plan["estimates"]
     assert max(row["peak_host_bytes"] for row in rows) <= 64e9
     sensitivity = sum(row["gpu_hours"] for row in rows if row["stage"] == "score_sensitivity")

@@ -310,11 +310,56 @@ def conda_environments(cfg: MixquantConfig, check: bool = True) -> list[dict[str
     return rows
 
 
+def slurm_submissions(profile: dict, jobs: list) -> tuple[dict[str, list[tuple[str, int]]], list[str]]:
+    """Under a SLURM profile: each job's sbatch options (set on the job), per rule the distinct option
+    lines with their job counts, and what the cluster here would refuse (mixquant.slurm)."""
+    from collections import Counter
+
+    from mixquant.slurm import cluster_problems, read_partitions, sbatch_options, stand_in_job
+
+    partitions = read_partitions(profile)
+    by_rule: dict[str, Counter] = {}
+    for job in jobs:
+        job.sbatch = sbatch_options(job.rule, job.resources, partitions, job.threads)
+        by_rule.setdefault(job.rule, Counter())[job.sbatch] += 1
+    lines = {rule: sorted(counts.items(), key=lambda item: -item[1]) for rule, counts in by_rule.items()}
+    stand_ins = [stand_in_job(job.rule, job.resources) for job in jobs]
+    return lines, cluster_problems(profile, partitions, stand_ins)
+
+
+def gpu_problem(cfg: MixquantConfig) -> str | None:
+    """A GPU here smaller than the cost model assumes when it sizes the score jobs (placement.search
+    .macro_batch: null), read with nvidia-smi where there is one."""
+    from mixquant.costs import B200
+
+    if not str(cfg.numerics.device).startswith("cuda") or cfg.placement.search.macro_batch is not None:
+        return None
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    name, _, mib = done.stdout.strip().splitlines()[0].rpartition(",")
+    have = int(float(mib)) * (1 << 20)
+    if have >= B200.gpu_memory_bytes:
+        return None
+    return (
+        f"this node's GPU ({name.strip()}, {have / (1 << 30):.0f} GiB) is smaller than the "
+        f"{B200.gpu_memory_bytes / (1 << 30):.0f} GiB the score jobs are sized for: set "
+        "placement.search.macro_batch"
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from mixquant.cluster import disk_space_warning, estimate_table, parse_dry_run_jobs
-    from mixquant.planning import check_deployment
+    from mixquant.planning import check_deployment, run_blockers
 
     cfg = _load(args)  # the config's own error in one line, before Snakemake is started
     deployment = check_deployment(cfg, _deployment(args), str(args.configfile))
@@ -322,7 +367,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     text = dry_run(configfile, args.snakemake_args, args.profile)
     plan = parse_dry_run(text)
     jobs = parse_dry_run_jobs(text)
-    slots = _profile_settings(args.profile).get("jobs")
+    profile = _profile_settings(args.profile)
+    slots = profile.get("jobs")
     estimates, critical = (
         plan_estimates(cfg, jobs, int(slots) if slots else None, deployment) if plan else ([], {})
     )
@@ -331,6 +377,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ):
         critical["warnings"].append(disk)
     environments = conda_environments(cfg, check=not args.no_env_check) if deployment == "conda" else []
+    submissions, cluster = (
+        slurm_submissions(profile, jobs) if profile.get("executor") == "slurm" else ({}, [])
+    )
+    blockers = run_blockers(cfg, deployment)
+    blockers += [f"{row['env']} {row['detail']}" for row in environments if row["status"] == "fails"]
+    blockers += cluster + [line for line in [gpu_problem(cfg)] if line]
     if args.json:
         print(
             json.dumps(
@@ -340,6 +392,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "estimates": [asdict(row) for row in estimates],
                     "critical_path": critical,
                     "environments": environments,
+                    "sbatch": {rule: [list(row) for row in rows] for rule, rows in submissions.items()},
+                    "blockers": blockers,
+                    "ready": not blockers,
                 },
                 indent=2,
             )
@@ -371,6 +426,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "solve_placement" in plan:
         print("then: quantize_layer for the placed layers not built yet, and export_checkpoint (planned once")
         print("      solve_placement has chosen the placement)")
+    if submissions:
+        from mixquant.slurm import plugin_version
+
+        print()
+        print(
+            f"sbatch options (snakemake-executor-plugin-slurm {plugin_version()}'s own code; job name, log, "
+            "comment and working directory aside):"
+        )
+        for rule, rows in submissions.items():
+            for options, count in rows[:3]:
+                print(f"  {rule:24} {count:>4} x  {options}")
+            if len(rows) > 3:
+                print(f"  {rule:24} (+{len(rows) - 3} more option lines: `--json` has every job's)")
     if estimates:
         print()
         print("Estimates (cost model: README, 'Cluster cost model'; 'after solve' rows assume")
@@ -385,6 +453,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"Critical path ({slots}): {critical['seconds'] / 3600:.2f} h through "
                 + " -> ".join(critical["chain"])
             )
+    print()
+    if blockers:
+        print(f"not ready to run: {len(blockers)} thing{'s' if len(blockers) > 1 else ''} will stop the run")
+        for line in blockers:
+            print(f"  - {line}")
+    else:
+        print("ready to run")
     return 0
 
 

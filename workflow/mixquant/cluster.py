@@ -52,14 +52,18 @@ FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
 
 
 def job_request(cfg: MixquantConfig, geometry: Geometry | None, art: Artifact, attempt: int = 1) -> dict:
-    """SLURM request (mem_mb, runtime in minutes, disk_mb) of one job; memory and time doubled per retry
-    (attempt 2 -> x2)."""
+    """Resources of one job: mem_mb and runtime (minutes), doubled per retry (attempt 2 -> x2), disk_mb,
+    gpu (vLLM's tensor-parallel size for its stages, one for a stage computing on a CUDA numerics.device,
+    else 0) and nodes (1: every job, a tensor-parallel vLLM server included, must stay on one node; the
+    SLURM plugin adds --nodes only when asked, and a --gpus=4 job could otherwise be split over two)."""
+    gpus = engine_gpus(cfg, art.stage)
     if geometry is None:
         base = dict(FALLBACK_REQUEST)
     else:
-        base = rule_resources(cfg, geometry, art.stage, gpus=engine_gpus(cfg, art.stage), **job_shape(art))
+        base = rule_resources(cfg, geometry, art.stage, gpus=gpus, **job_shape(art))
     request = {name: int(base[name]) * max(1, attempt) for name in ("mem_mb", "runtime")}
-    return {**request, "disk_mb": int(base["disk_mb"])}  # what a job writes does not grow on a retry
+    # what a job writes does not grow on a retry
+    return {**request, "disk_mb": int(base["disk_mb"]), "gpu": gpus, "nodes": 1}
 
 
 # ------------------------------------------------------------------------------------------ dry run
@@ -71,6 +75,8 @@ class PlannedJob:
     outputs: list[str] = field(default_factory=list)
     reason: str = ""
     resources: dict[str, str] = field(default_factory=dict)
+    threads: int = 1
+    sbatch: str | None = None  # the options the SLURM plugin submits it with (mixquant.slurm), under SLURM
 
     @property
     def key(self) -> str | None:
@@ -81,7 +87,7 @@ class PlannedJob:
 
 
 _JOB = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
-_FIELD = re.compile(r"^\s+(output|reason|resources): (.*)$")
+_FIELD = re.compile(r"^\s+(output|reason|resources|threads): (.*)$")
 
 
 def parse_dry_run_jobs(text: str) -> list[PlannedJob]:
@@ -96,6 +102,8 @@ def parse_dry_run_jobs(text: str) -> list[PlannedJob]:
                 jobs[-1].outputs = [part.strip() for part in value.split(",")]
             elif name == "reason":
                 jobs[-1].reason = value
+            elif name == "threads":
+                jobs[-1].threads = int(value)
             else:
                 jobs[-1].resources = dict(
                     part.strip().split("=", 1) for part in value.split(", ") if "=" in part

@@ -285,11 +285,13 @@ class SearchSettings(Strict):
         description="Run the live branches of a micro-batch as one stacked batch per layer (fewer, larger "
         "GEMMs: the GPU setting). false runs each branch alone: exact, bit for bit the per-layer scorer.",
     )
-    checkpoint_interval_s: float = Field(
-        default=600.0,
+    checkpoint_interval_s: float | None = Field(
+        default=None,
         ge=0,
         description="A score job saves its hidden states after a layer at most this often (0: every "
-        "layer), so a killed job resumes from its last saved layer with identical scores.",
+        "layer; null: every quarter of the wall time the job was given), so a killed job resumes from its "
+        "last saved layer with identical scores. On SIGTERM (SLURM's time limit or a preemption) it also "
+        "saves them after the layer it is in, then stops for the retry to resume.",
     )
     frontier_points: int = Field(
         default=25, ge=2, description="Budgets on the bits-to-KL frontier, evenly spaced min..max bits."

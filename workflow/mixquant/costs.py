@@ -332,6 +332,12 @@ class Hardware:
     vllm_gpu_memory_utilization: float = 0.9  # vLLM's default; vllm_llm_kwargs does not set it
     vllm_worker_host_bytes: int = 8 * GIB  # assumption: host RSS of one vLLM worker (torch, CUDA, NCCL)
     storage_read_bytes_per_s: float = 2e9  # assumption: shared filesystem, per job
+    # measured (benchmarks/bench_layer_load.py, README "Cluster cost model"): the host side of
+    # StreamedModel.load_layer at the real Laguna layer size -- the copy out of the page cache, the fused
+    # layout, transformers' attach -- from the page cache (warm): 1.51 s per 4.98 GB MoE layer (3.3 GB/s;
+    # 1.42 s in a second run). It follows the storage read in the same prefetch thread, so a streamed layer
+    # loads in bytes / storage + bytes / it (cold there: 5.13 s measured, 4.11 + 1.51 = 5.62 s modelled).
+    host_layer_load_bytes_per_s: float = 3.3e9
     storage_write_bytes_per_s: float = 2e9  # assumption
     hub_download_bytes_per_s: float = 5e8  # assumption: Hugging Face hub (Xet/CDN), per job
     process_startup_s: float = 10.0  # python + torch + transformers import: measured 6.4 s here (warm)
@@ -364,10 +370,10 @@ class Hardware:
     # Layer-streamed forward stages on a GPU (README "Cluster cost model", GPU constants). Not measured
     # here (no GPU); tools/gpu-check.sh measures each on a lent GPU.
     # assumption: transformers' eager LagunaExperts runs one GEMM pair per routed expert, so a layer call
-    # is many mid-sized GEMMs; 25% of peak is the middle of SCALE.md's 20-30% for eager prefill
+    # is many mid-sized GEMMs; 25% of peak is the middle of the 20-30% eager prefill reaches
     gpu_streamed_mfu: float = 0.25
-    # assumption: pinned host->device copies over PCIe Gen5 x16 (~64 GB/s raw, ~50 GB/s in practice per
-    # SCALE.md); half of it, since a layer's tensors arrive as many separate copies
+    # assumption: pinned host->device copies over PCIe Gen5 x16 (~64 GB/s raw, ~50 GB/s in
+    # practice); half of it, since a layer's tensors arrive as many separate copies
     host_to_device_bytes_per_s: float = 25e9
     # assumption: the NVFP4 / FP8 scale sweeps are unfused torch elementwise passes, memory-bound: ~126
     # E4M3 candidates x ~16 B of traffic per element at ~4 TB/s of HBM is ~2e9 elements/s; half of it
@@ -516,6 +522,25 @@ def _max_layer_bytes(geometry: Geometry) -> int:
     return largest * geometry.dtype_bytes
 
 
+def _pinned_layer_bytes(geometry: Geometry) -> int:
+    """The largest decoder layer as host memory holds it when read pinned for a GPU (ShardReader,
+    pin_memory=True). The routed experts are read straight into two fused buffers (StreamedModel's fused
+    reads: gate_up [E, 2 x moe_intermediate, hidden] and down [E, hidden, moe_intermediate]); torch's caching
+    host allocator rounds every pinned block up to a power of two and keeps it (CachingHostAllocator.h):
+    Laguna's 3 GiB and 1.5 GiB buffers take 4 and 2 GiB. The rest of the layer is counted at most doubled."""
+    expert = geometry.moe_intermediate_size * geometry.hidden_size * geometry.dtype_bytes
+
+    def rounded(size: int) -> int:
+        return 1 << max(0, size - 1).bit_length()
+
+    routed = rounded(2 * geometry.num_experts * expert) + rounded(geometry.num_experts * expert)
+    return max(
+        2 * geometry.fixed_params(layer) * geometry.dtype_bytes
+        + (routed if layer in geometry.moe_layers else 0)
+        for layer in range(geometry.num_hidden_layers)
+    )
+
+
 def _non_layer_bytes(geometry: Geometry) -> int:
     """Token embedding, final norm and lm_head: what a streamed model keeps on the device throughout."""
     embeddings = geometry.vocab_size * geometry.hidden_size * (1 if geometry.tie_word_embeddings else 2)
@@ -585,10 +610,12 @@ def _scored_layers(cfg: MixquantConfig) -> list[tuple[int, list[str]]]:
 
 
 def _streamed_seconds(read: float, compute_s: float, geometry: Geometry, hw: Hardware, on_gpu: bool) -> float:
-    """A layer-streamed pass: the first layer is read before anything computes; from then on the next
-    layer's read (and, on a GPU, its host-to-device copy) overlaps the current layer's compute."""
+    """A layer-streamed pass: the first layer is loaded (read, then laid out in host memory) before
+    anything computes; from then on the next layer's load (and, on a GPU, its host-to-device copy) overlaps
+    the current layer's compute."""
     first = _max_layer_bytes(geometry)
-    read_rate = hw.storage_read_bytes_per_s
+    # the prefetch thread reads a layer, then lays it out in memory: the two follow each other
+    read_rate = 1 / (1 / hw.storage_read_bytes_per_s + 1 / hw.host_layer_load_bytes_per_s)
     # the background thread reads from storage; the copy to the GPU happens with the compute, in turn
     serial = compute_s + (read / hw.host_to_device_bytes_per_s if on_gpu else 0.0)
     return first / read_rate + max((read - first) / read_rate, serial)
@@ -721,7 +748,7 @@ def stage_cost(
         held = 2 * _max_layer_bytes(geometry) + _non_layer_bytes(geometry) + states + transient
         if on_gpu:
             gpu_bytes = held
-            host += 2 * _max_layer_bytes(geometry)  # pinned read-ahead buffer and the layer being copied
+            host += 2 * _pinned_layer_bytes(geometry)  # pinned read-ahead buffer and the layer being copied
         else:
             host += held
         written = _activation_stats_bytes(geometry)
@@ -766,9 +793,14 @@ def stage_cost(
         compute_s = flops / device_flops
         streamed_s, streamed_read = _streamed_seconds(read, compute_s, geometry, hw, on_gpu), read
         compute_s = 0.0
-        if search.checkpoint_interval_s > 0:
-            saves = int(streamed_s // search.checkpoint_interval_s)
-            scratch = saves * states
+        # null: a quarter of the requested wall time, which is twice the estimate (rule_resources)
+        interval = search.checkpoint_interval_s
+        interval = streamed_s / 2 if interval is None else interval
+        if interval > 0:
+            saves = int(streamed_s // interval)
+            # a save sits beside the last until progress.json names it, then the last goes: the footprint,
+            # not the sum of the saves (their time is counted below)
+            scratch = 2 * states if saves else 0
             streamed_s += saves * states / hw.storage_write_bytes_per_s
         held = (
             2 * _max_layer_bytes(geometry)
@@ -779,7 +811,7 @@ def stage_cost(
         )
         # host: the read-ahead layer, a quantized layer's file and its dequantized copy, one stream's states
         staging = (
-            2 * _max_layer_bytes(geometry)
+            2 * _pinned_layer_bytes(geometry)  # read pinned (on a GPU, where staging is what the host holds)
             + geometry.routed_bytes_per_layer
             + _layer_result_bytes(geometry, "fp8")
             + _state_bytes(geometry, size, calib.seq_len)
@@ -852,7 +884,7 @@ def stage_cost(
             streamed_read = checkpoint
             if on_gpu:
                 gpu_bytes = held
-                host += 2 * _max_layer_bytes(geometry)
+                host += 2 * _pinned_layer_bytes(geometry)
             else:
                 host += held
             host += prompt_len * geometry.vocab_size * 2  # logits [1, T, V] bf16

@@ -1,4 +1,4 @@
-"""The CPU numerics profile: the same bits from every x86-64 CPU with AVX2 (../shared/NUMERICS.md).
+"""The CPU numerics profile: the same bits from every x86-64 CPU with AVX2, and from every aarch64 CPU.
 
 A bf16 forward on CPU runs through three libraries whose code path depends on the host: ATen's own
 kernels (chosen by its CPU capability: AVX2 vs AVX512), MKL (its conditional numerical
@@ -38,8 +38,32 @@ class NumericsError(RuntimeError):
     """The process does not compute under the profile it was asked for (one line)."""
 
 
-def portable_environment(threads: int = DEFAULT_THREADS) -> dict[str, str]:
+# aarch64 (Grace, Graviton): ATen's DEFAULT capability is its NEON build on every aarch64 CPU (SVE256 only
+# where SVE vectors are 256 bits wide: Graviton3, not Grace's 128), there is no MKL, and oneDNN is off under
+# the profile; so one aarch64 profile gives the same bits on every aarch64 host -- others than x86-64's, so
+# the keys of the stages whose numbers the CPU decides differ between the two architectures.
+AARCH64 = ("aarch64", "arm64")
+AARCH64_CAPABILITY = "DEFAULT"
+
+
+def cpu_architecture(machine: str | None = None) -> str:
+    """ "aarch64" on 64-bit ARM, else "x86_64" (the profile's two families)."""
+    return "aarch64" if (machine or platform.machine()).lower() in AARCH64 else "x86_64"
+
+
+def portable_capability(machine: str | None = None) -> str:
+    """The ATen CPU capability the portable profile pins on this architecture."""
+    return AARCH64_CAPABILITY if cpu_architecture(machine) == "aarch64" else PORTABLE_CAPABILITY
+
+
+def portable_environment(threads: int = DEFAULT_THREADS, machine: str | None = None) -> dict[str, str]:
     """Environment of the portable profile: read by ATen, MKL, oneDNN and OpenMP at first use."""
+    if cpu_architecture(machine) == "aarch64":
+        return {
+            "ATEN_CPU_CAPABILITY": "default",  # ATen's NEON build on every aarch64 host (not SVE256)
+            "OMP_DYNAMIC": "FALSE",
+            "OMP_NUM_THREADS": str(threads),
+        }
     return {
         "ATEN_CPU_CAPABILITY": "avx2",  # ATen's own kernels: the AVX2 build on every AVX2+ host
         "ONEDNN_MAX_CPU_ISA": "AVX2",  # keeps oneDNN's AVX512/AMX bf16 paths off (and PyTorch off oneDNN)
@@ -51,30 +75,38 @@ def portable_environment(threads: int = DEFAULT_THREADS) -> dict[str, str]:
     }
 
 
-def profile_settings(profile: str = "portable", threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+def profile_settings(
+    profile: str = "portable", threads: int = DEFAULT_THREADS, machine: str | None = None
+) -> dict[str, Any]:
     """What a profile pins (recorded in manifests and keys)."""
     if profile not in PROFILES:
         raise NumericsError(f"numerics.cpu: unknown profile {profile!r}; known: {', '.join(PROFILES)}")
     if profile == "native":
         return {"cpu": "native", "threads": threads}
-    return {
+    settings = {
         "cpu": "portable",
         "threads": threads,
-        "environment": portable_environment(threads),
+        "environment": portable_environment(threads, machine),
         "mkldnn": False,
         "float32_matmul_precision": "highest",
-        "cpu_capability": PORTABLE_CAPABILITY,
+        "cpu_capability": portable_capability(machine),
         "mkl_cbwr": PORTABLE_CBWR,
     }
+    if cpu_architecture(machine) == "aarch64":  # no MKL on aarch64; the architecture enters the keys
+        settings.update(mkl_cbwr=None, architecture="aarch64")
+    return settings
 
 
 def host_isa() -> str:
-    """The best x86 SIMD level of this host from /proc/cpuinfo ('avx512', 'avx2', 'default')."""
+    """The best SIMD level of this host from /proc/cpuinfo ('avx512', 'avx2', 'default'; on aarch64
+    'aarch64' or 'aarch64-sve')."""
     try:
         flags = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return platform.machine() or "unknown"
     words = set(flags.split())
+    if cpu_architecture() == "aarch64":  # its SIMD levels: NEON everywhere, SVE on some
+        return "aarch64-sve" if "sve" in words else "aarch64"
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= words:
         return "avx512"
     if "avx2" in words and "fma" in words:
@@ -197,13 +229,14 @@ def enter(profile: str | None = None, threads: int | None = None, device: str = 
         torch.backends.mkldnn.enabled = False
         torch.set_float32_matmul_precision("highest")
         capability = torch.backends.cpu.get_cpu_capability()
-        if capability != PORTABLE_CAPABILITY:
+        if capability != portable_capability():
             raise NumericsError(
-                f"numerics profile 'portable' needs ATen CPU capability {PORTABLE_CAPABILITY}, this process "
-                f"runs {capability} (host ISA {host_isa()}; use numerics.cpu: native on a host without AVX2)"
+                f"numerics profile 'portable' needs ATen CPU capability {portable_capability()}, this "
+                f"process runs {capability} (host ISA {host_isa()}; use numerics.cpu: native on a host "
+                "without AVX2)"
             )
         cbwr = effective_mkl_cbwr()
-        if cbwr not in (None, PORTABLE_CBWR):
+        if cpu_architecture() == "x86_64" and cbwr not in (None, PORTABLE_CBWR):  # aarch64: no MKL
             raise NumericsError(
                 f"numerics profile 'portable' needs MKL_CBWR {PORTABLE_CBWR}, MKL runs {cbwr} "
                 "(MKL was initialised before the profile was applied)"

@@ -333,6 +333,41 @@ def check_run_deployment(cfg: MixquantConfig, planned: str, running: str, source
     )
 
 
+def missing_inputs(cfg: MixquantConfig, root: Path = Path(".")) -> list[str]:
+    """Input files and directories the config names that do not exist (results_dir aside: it is made)."""
+    return [
+        f"{key}: {value} does not exist"
+        for key, value in config_paths(cfg)
+        if key != "results_dir" and not (root / value).exists()
+    ]
+
+
+def run_blockers(cfg: MixquantConfig, deployment: str, root: Path = Path(".")) -> list[str]:
+    """What will stop a run of ``cfg`` that planning itself accepts, each naming where: unpinned hub
+    sources (the run refuses to start), missing input files (the first stage that reads one stops), a
+    vLLM the vLLM stages cannot import (without conda or ``software.vllm_python``). The environments and
+    the cluster are checked by their own modules (mixquant.software, mixquant.slurm)."""
+    blockers = []
+    if keys := unpinned_sources(cfg):
+        blockers.append(f"{', '.join(keys)} not pinned: the run refuses to start (a full 40-hex commit SHA)")
+    for line in missing_inputs(cfg, root):
+        if line.startswith("prompt.token_ids_file"):
+            line += (
+                ": supply the prompt's token IDs (pin_prompt checks them against prompt.sha256), or use a "
+                "chat sample as a stand-in (prompt.source: chat_sample; the published hash then differs)"
+            )
+        blockers.append(line)
+    if deployment == "venv" and cfg.kld.engine == "vllm" and not cfg.software.vllm_python:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            blockers.append(
+                "kld.engine: vllm, but vLLM is not importable here and software.vllm_python is not set: "
+                "reference_logits would stop (run under conda, or name a venv with vLLM)"
+            )
+    return blockers
+
+
 def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
     """What a run needs that planning does not: every Hub source pinned (one line naming them)."""
     if keys := unpinned_sources(cfg):

@@ -17,6 +17,8 @@ rule sample_calibration:
         mem_mb=artifact_request("calibration", "mem_mb"),
         disk_mb=artifact_request("calibration", "disk_mb"),
         runtime=artifact_request("calibration", "runtime"),
+        gpu=artifact_request("calibration", "gpu"),
+        nodes=artifact_request("calibration", "nodes"),
     params:
         stage=stage_params("calibration"),
     script:

@@ -1,5 +1,6 @@
 # Config selection, validation and the artifact graph (keys and paths) — all via the library.
 import os
+import shutil
 import sys
 
 from snakemake.settings.types import DeploymentMethod
@@ -51,6 +52,13 @@ SNAKEMAKE_DEPLOYMENT = (
     if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
     else "venv"
 )
+if SNAKEMAKE_DEPLOYMENT == "conda" and shutil.which("conda") is None:
+    sys.exit(
+        "mixquant: this run deploys conda environments (--sdm conda or the profile's "
+        "software-deployment-method) but conda is not installed here, and Snakemake needs it even to plan "
+        "(-n): plan with `mixquant plan --profile ...`, which plans the same jobs and keys without conda, "
+        "or add --sdm env-modules"
+    )
 try:
     # One line naming the key first (the config, then what planning can check: paths, context,
     # budget, layers, where the jobs run); then the committed JSON schema, as Snakemake users expect.
@@ -200,8 +208,9 @@ def keyed_params(wildcards):
     return {"settings": art.settings, "preimage": art.preimage}
 
 
-# Per-job SLURM requests (mem_mb, runtime in minutes) from the model geometry (mixquant.costs),
-# doubled on each retry; the profile adds partitions, GPUs and cores.
+# Per-job requests from the model geometry and the config (mixquant.cluster.job_request): mem_mb and runtime
+# (minutes, doubled on each retry), disk_mb, gpu (numerics.device, kld.tensor_parallel_size) and nodes (1:
+# every job runs on one node). The profile adds partitions (its partition file) and cores.
 GEOMETRY = planning_geometry(CFG)
 
 
@@ -212,16 +221,11 @@ def artifact_request(name, resource):
     return request
 
 
-def keyed_mem_mb(wildcards, attempt):
-    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["mem_mb"]
+def keyed_request(resource):
+    def request(wildcards, attempt):
+        return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)[resource]
 
-
-def keyed_disk_mb(wildcards, attempt):
-    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["disk_mb"]
-
-
-def keyed_runtime(wildcards, attempt):
-    return job_request(CFG, GEOMETRY, keyed_artifact(wildcards), attempt)["runtime"]
+    return request
 
 
 def conda_env(stage):

@@ -17,9 +17,11 @@ rule export_checkpoint:
         conda_env("export_checkpoint")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:

@@ -18,9 +18,11 @@ rule reference_logits:
         conda_env("reference_logits")
     threads: CFG.numerics.threads
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -42,9 +44,11 @@ rule run_kld:
         conda_env("run_kld")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -64,9 +68,11 @@ rule gate_kld:
         conda_env("gate_kld")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -91,9 +97,11 @@ rule kld_report:
         conda_env("kld_report")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -113,9 +121,11 @@ rule check_kld_gates:
         conda_env("check_kld_gates")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:

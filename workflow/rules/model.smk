@@ -19,6 +19,8 @@ if CFG.model.source == "toy":
             mem_mb=artifact_request("model", "mem_mb"),
             disk_mb=artifact_request("model", "disk_mb"),
             runtime=artifact_request("model", "runtime"),
+            gpu=artifact_request("model", "gpu"),
+            nodes=artifact_request("model", "nodes"),
         params:
             stage=stage_params("model"),
         script:
@@ -39,9 +41,11 @@ rule fetch_model:
         conda_env("fetch_model")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -64,9 +68,11 @@ rule dequantize_source:
         conda_env("dequantize_source")
     threads: CFG.numerics.threads
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:

@@ -17,6 +17,8 @@ rule pin_prompt:
         mem_mb=artifact_request("prompt", "mem_mb"),
         disk_mb=artifact_request("prompt", "disk_mb"),
         runtime=artifact_request("prompt", "runtime"),
+        gpu=artifact_request("prompt", "gpu"),
+        nodes=artifact_request("prompt", "nodes"),
     params:
         stage=stage_params("prompt"),
     script:

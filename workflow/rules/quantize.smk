@@ -20,6 +20,8 @@ rule collect_activation_stats:
         mem_mb=artifact_request("activations", "mem_mb"),
         disk_mb=artifact_request("activations", "disk_mb"),
         runtime=artifact_request("activations", "runtime"),
+        gpu=artifact_request("activations", "gpu"),
+        nodes=artifact_request("activations", "nodes"),
     params:
         stage=stage_params("activations"),
     script:
@@ -41,9 +43,11 @@ rule quantize_layer:
         conda_env("quantize_layer")
     threads: 1
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:

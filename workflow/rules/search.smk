@@ -17,9 +17,11 @@ rule score_sensitivity:
         conda_env("score_sensitivity")
     threads: CFG.numerics.threads
     resources:
-        mem_mb=keyed_mem_mb,
-        disk_mb=keyed_disk_mb,
-        runtime=keyed_runtime,
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
         stage=keyed_params,
     script:
@@ -54,6 +56,8 @@ if CFG.placement.source == "search":
             mem_mb=artifact_request("placement", "mem_mb"),
             disk_mb=artifact_request("placement", "disk_mb"),
             runtime=artifact_request("placement", "runtime"),
+            gpu=artifact_request("placement", "gpu"),
+            nodes=artifact_request("placement", "nodes"),
         params:
             stage=stage_params("placement"),
         script:

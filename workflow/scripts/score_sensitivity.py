@@ -12,5 +12,11 @@ from mixquant.search.run import run_score_sensitivity
 
 with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
     stage = dict(snakemake.params.stage)
-    stage["settings"] = {**stage["settings"], "threads": snakemake.threads}
+    # the wall time the job was given: by default its state is saved every quarter of it
+    runtime = snakemake.resources.get("runtime")
+    stage["settings"] = {
+        **stage["settings"],
+        "threads": snakemake.threads,
+        "runtime_min": runtime,
+    }
     run_score_sensitivity(snakemake.output.scores, **dict(snakemake.input.items()), **stage)

@@ -108,7 +108,7 @@ def _sq_err(absx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _sweep_chunk(absx: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Index of the winning candidate for each row of ``absx`` ([B, 16] fp32 magnitudes)."""
-    n_blocks, n_cand = absx.shape[0], scales.numel()
+    n_cand = scales.numel()
     device = absx.device
     amax = absx.amax(dim=1, keepdim=True)  # [B, 1]: largest element of each block
 
@@ -136,10 +136,28 @@ def _sweep_chunk(absx: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
     # Exact losses of the survivors, summed over the 16 elements exactly like the reference.
     loss = _sq_err(absx.index_select(0, rows), scales.index_select(0, cols).unsqueeze(-1)).sum(dim=-1)
-    best_loss = torch.full((n_blocks,), math.inf, device=device).scatter_reduce_(0, rows, loss, "amin")
-    is_best = loss == best_loss.index_select(0, rows)
-    best = torch.full((n_blocks,), n_cand, dtype=torch.long, device=device)
-    return best.scatter_reduce_(0, rows[is_best], cols[is_best], "amin")  # first minimum, as argmin
+    return _first_minimum(rows, cols, loss, absx.shape[0])
+
+
+def _first_minimum(rows: torch.Tensor, cols: torch.Tensor, loss: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Per block, the lowest candidate ``cols`` among its minimal ``loss`` values: the reference's argmin.
+
+    ``rows`` / ``cols`` are a row-major ``nonzero`` of the survivors (blocks ascending, candidates ascending
+    within each block) and every block has at least one (the best probe, or the first all-zero candidate,
+    whose loss it shares). No scatter-min: on CUDA, ``scatter_reduce`` with "amin" has no deterministic
+    kernel, so it raises under ``torch.use_deterministic_algorithms`` (``numerics.CUDA_PROFILE``). Instead
+    block b's losses fill, in candidate order, the first ``survivors[b]`` slots of row b of a +inf-padded
+    table whose ``min(dim=1)`` returns the first minimal slot (documented), i.e. the lowest candidate among
+    equal losses. A padding slot comes after every real one, so it never wins, not even a tie with an
+    infinite loss. Every op here has a deterministic CUDA kernel: ``bincount`` without weights (since
+    PyTorch 2.1), ``masked_scatter_``, an integer ``cumsum``, a reduction (tests/workflow/test_device_ops.py
+    checks the device stages' ops against the list PyTorch documents).
+    """
+    survivors = torch.bincount(rows, minlength=n_blocks)
+    slots = torch.arange(int(survivors.max()), device=rows.device) < survivors.unsqueeze(1)
+    table = torch.full(slots.shape, math.inf, device=loss.device).masked_scatter_(slots, loss)
+    first_survivor = survivors.cumsum(0).sub_(survivors)  # offset of each block's survivors in ``cols``
+    return cols.index_select(0, first_survivor.add_(table.min(dim=1).indices))
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ def build_embedded_toy(out_dir: str | Path, *, toy: dict[str, Any], corpus: dict
 
     The same training and outlier code as build_toy_model, written beside `out_dir` and renamed into place
     (a directory that exists is refused, never overwritten). CPU training is bit-exact only on the same
-    machine and thread count: another host trains another toy (../shared/NUMERICS.md), which is why the
+    machine and thread count: another host trains another toy, which is why the
     default config ships the checkpoint instead of training it.
     """
     import shutil

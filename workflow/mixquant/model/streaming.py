@@ -11,6 +11,19 @@ renames applied -- exactly what ``from_pretrained`` does), run, and released bac
 While one layer computes, a background thread reads the next one's tensors (into pinned memory on
 CUDA), so host and device hold about two decoder layers plus the activations.
 
+Fused reads: the routed experts are most of a layer's bytes, and transformers builds their fused parameters
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) by stacking the per-expert tensors and then
+concatenating gate and up -- two more copies of the experts into freshly faulted memory, which cost more
+than the read itself. Where the conversion mapping fuses a parameter in just that way (a
+``MergeModulelist(dim=0)``, then for several source patterns a ``Concatenate(dim=1)``),
+:class:`_FusedParameter` places each checkpoint tensor where those operations would put it, found with
+transformers' own key renaming and source order, and the reader reads it straight into that slice of a
+buffer of the parameter's shape (a dequantized export copies into it once). The buffer is handed to
+transformers' loader under the parameter's name, which attaches it as it does any tensor (dtype cast,
+device, bookkeeping); everything else, and every converter of another kind, takes transformers' own
+conversion. Stacking and concatenating are copies, so the parameters are the same bits (tests compare every
+parameter of every family with ``fused_reads=False``, transformers' conversion alone).
+
 Passes are layer-major: every sequence of a pass goes through layer ``i`` before layer ``i + 1`` is
 loaded, so each layer is read once per pass whatever the number of batches. The per-layer keyword
 arguments (masks, rotary embeddings, positions) are the model's own: :meth:`StreamedModel.layer_inputs`
@@ -28,9 +41,8 @@ KV-cache scales dropped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +50,7 @@ from typing import Any
 
 import torch
 
-from mixquant.checkpoint.shards import CheckpointError, ShardReader
+from mixquant.checkpoint.shards import CheckpointError, ShardReader, glibc
 
 __all__ = ["LayerInputs", "StreamedModel", "resolve_device"]
 
@@ -88,6 +100,43 @@ class _ReadTensor:
         return tensor
 
 
+@dataclass(frozen=True)
+class _FusedParameter:
+    """One fused parameter and where each of its checkpoint tensors goes in it.
+
+    ``slots[source] = (position, first row, end row)``: transformers' ``MergeModulelist(dim=0)`` stacks a
+    source pattern's tensors in its key order (position ``j`` is the ``j``-th), then ``Concatenate(dim=1)``
+    joins the patterns in the converter's order, so pattern ``p``'s tensor ``j`` is rows
+    ``[offset_p, offset_p + rows_p)`` of ``parameter[j]`` -- one contiguous slice.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slots: dict[str, tuple[int, int, int]]
+
+    def allocate(self, *, pin_memory: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """An uninitialised buffer of the parameter's shape and each source's slice of it."""
+        buffer = torch.empty(self.shape, dtype=self.dtype, pin_memory=pin_memory)
+        return buffer, {source: buffer[j, begin:end] for source, (j, begin, end) in self.slots.items()}
+
+
+def _fuses_by_stacking(converter: Any) -> bool:
+    """Whether a conversion-mapping entry is exactly a stack of experts (``MergeModulelist(dim=0)``),
+    then, for several source patterns, a concatenation of their stacks (``Concatenate(dim=1)``)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    if type(converter) is not WeightConverter:
+        return False
+    if converter.quantization_operation is not None or converter.distributed_operation is not None:
+        return False
+    ops = converter.operations
+    stacks = len(ops) >= 1 and type(ops[0]) is MergeModulelist and ops[0].dim == 0
+    if len(converter.source_patterns) == 1:
+        return stacks and len(ops) == 1
+    return stacks and len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim == 1
+
+
 @contextlib.contextmanager
 def _layer_loading() -> Iterator[None]:
     """transformers' loader as a layer at a time needs it: its per-call 'Loading weights' progress bar off
@@ -113,13 +162,6 @@ def _layer_loading() -> Iterator[None]:
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
-def _glibc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator's own policy applies
-        return None
-
-
 def _map_large_allocations() -> None:
     """Serve every allocation of 128 KiB or more with its own mapping, returned to the system on free.
 
@@ -127,14 +169,14 @@ def _map_large_allocations() -> None:
     mmap threshold after freeing a mapped chunk (up to 32 MiB), so later such tensors come from the heap,
     where freed chunks stay resident: a pass's resident memory would grow with every layer it loads. A
     fixed threshold turns that off (process-wide; a few more mmap calls)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
 
 
 def _release_freed_memory() -> None:
     """Return freed heap pages to the system (the small tensors of a released layer); a no-op elsewhere."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 
@@ -144,7 +186,9 @@ class StreamedModel:
 
     ``model_dir``: a checkpoint in its upstream layout (BF16) or, with ``dequantize=True``, a ModelOpt
     export. ``reader``: a :class:`ShardReader` to read through (a counting one in tests). ``prefetch``:
-    read layer ``i + 1`` in a background thread while layer ``i`` computes.
+    read layer ``i + 1`` in a background thread while layer ``i`` computes. ``fused_reads``: read the
+    experts straight into their fused parameters (the module docstring); False leaves the fusing to
+    transformers' conversion, the reference the tests and the benchmark compare with.
     """
 
     def __init__(
@@ -156,6 +200,7 @@ class StreamedModel:
         dequantize: bool = False,
         reader: ShardReader | None = None,
         prefetch: bool = True,
+        fused_reads: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -166,6 +211,7 @@ class StreamedModel:
         self.dequantize = dequantize
         self.reader = reader or ShardReader(self.model_dir)
         self.prefetch = prefetch
+        self.fused_reads = fused_reads
         _map_large_allocations()
         config = AutoConfig.from_pretrained(self.model_dir)  # trust_remote_code stays off
         if hasattr(config, "quantization_config"):
@@ -183,6 +229,7 @@ class StreamedModel:
         self.layers = model.model.layers
         self.num_layers = len(self.layers)
         self._mapping = get_model_conversion_mapping(model)
+        self._shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixquant-prefetch")
         self._pending: dict[int, Future] = {}
         self._attach(self.reader.non_layer_names(), what="embeddings, final norm, lm_head")
@@ -200,8 +247,82 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------------------ loading
 
+    def _fusion_plan(
+        self, stored: Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
+    ) -> list[_FusedParameter]:
+        """The fused parameters that tensors ``{name: (dtype, shape)}`` make, as transformers' conversion
+        would build them (:class:`_FusedParameter`): keys renamed by its own ``rename_source_key``, each
+        pattern's tensors in its own order (``dot_natural_key``). A parameter is left to transformers when
+        its converter is of another kind or its tensors would not stack into exactly the model's shape
+        (transformers then reports what is wrong)."""
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        renamings = [entry for entry in self._mapping if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in self._mapping if isinstance(entry, WeightConverter)]
+        converter_of = {pattern: entry for entry in converters for pattern in entry.source_patterns}
+        prefix = self.model.base_model_prefix
+        sources: dict[str, dict[str, list[str]]] = {}
+        for name in sorted(stored, key=dot_natural_key):
+            target, pattern = rename_source_key(name, renamings, converters, prefix, self._shapes)
+            if pattern is None or target not in self._shapes or not _fuses_by_stacking(converter_of[pattern]):
+                continue  # renamed or unknown: transformers' business (a name of the model stays as it is)
+            sources.setdefault(target, {}).setdefault(pattern, []).append(name)
+        plan = []
+        for target, by_pattern in sources.items():
+            converter = converter_of[next(iter(by_pattern))]  # as transformers picks it: the first key's
+            if not set(by_pattern) <= set(converter.source_patterns):
+                continue
+            groups = [by_pattern.get(pattern, []) for pattern in converter.source_patterns]
+            specs = {stored[name] for group in groups for name in group}
+            if len(specs) != 1 or len({len(group) for group in groups}) != 1:
+                continue  # missing, or tensors of different shapes or dtypes
+            dtype, shape = specs.pop()
+            if dtype is None or not shape:
+                continue
+            fused_shape = (len(groups[0]), len(groups) * shape[0], *shape[1:])
+            if fused_shape != self._shapes[target]:
+                continue
+            slots = {
+                name: (position, index * shape[0], (index + 1) * shape[0])
+                for index, group in enumerate(groups)
+                for position, name in enumerate(group)
+            }
+            plan.append(_FusedParameter(target, fused_shape, dtype, slots))
+        return plan
+
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return self.reader.read(names, pin_memory=self.device.type == "cuda")
+        """``names`` read from the checkpoint; with fused reads the experts land in their fused parameters,
+        which replace them in the result (an export's are fused after dequantization instead)."""
+        pin_memory = self.device.type == "cuda"
+        plan = []
+        if self.fused_reads and not self.dequantize:
+            plan = self._fusion_plan({name: self.reader.stored(name) for name in names})
+        buffers, into = {}, {}
+        for fused in plan:
+            buffers[fused.name], slots = fused.allocate(pin_memory=pin_memory)
+            into.update(slots)
+        tensors = self.reader.read(names, pin_memory=pin_memory, into=into)
+        for fused in plan:
+            for source in fused.slots:
+                del tensors[source]
+            tensors[fused.name] = buffers[fused.name]
+        return tensors
+
+    def _fused_copies(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` (consumed) with the experts copied into their fused parameters, each source freed as
+        it is copied: one copy instead of transformers' stack and concatenation."""
+        plan = self._fusion_plan({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+        for fused in plan:
+            buffer, slots = fused.allocate(pin_memory=False)
+            for source, slot in slots.items():
+                slot.copy_(tensors.pop(source))
+            tensors[fused.name] = buffer
+        return tensors
 
     def _attach(self, names: list[str], *, what: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Convert ``names`` (read now unless given; the dict is consumed) to the in-memory layout and
@@ -215,6 +336,8 @@ class StreamedModel:
             from mixquant.export.dequant import dequantized_group
 
             tensors = dequantized_group(tensors, self.dtype)
+            if self.fused_reads:
+                tensors = self._fused_copies(tensors)
         sources = {name: _ReadTensor(tensors.pop(name)) for name in list(tensors)}
         load = LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self._mapping, device_map={"": str(self.device)}

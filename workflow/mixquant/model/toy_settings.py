@@ -1,6 +1,6 @@
 """Typed settings of the embedded toy Laguna: geometry, tokenizer, training.
 
-Brackets give Laguna-S-2.1's value where one exists (REFERENCE.md). Every matrix input dimension
+Brackets give Laguna-S-2.1's value where one exists (its config.json). Every matrix input dimension
 is a multiple of 16 so that NVFP4's 16-element blocks tile it.
 """
 

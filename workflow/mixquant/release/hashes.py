@@ -17,7 +17,7 @@ writes (token IDs, JSON files): any machine that runs the same code on the same 
 it. A *numerical* hash is of floating-point results (the BF16 reference logits): its bits depend on the
 numerics the process computed under -- device, CPU code path, library versions, recorded as the
 fingerprint of :func:`mixquant.numerics.fingerprint` -- so it reproduces bit for bit only under an equal
-fingerprint (../shared/NUMERICS.md).
+fingerprint.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ promised bit for bit -- tests check that they rank the layers the same.
 A pass can be killed and resumed: with ``state_dir``, the hidden states of the reference and the live
 branches are saved after a layer (atomically; at most every ``checkpoint_interval_s`` seconds, 0: every
 layer) and a rerun with the same ``state_key`` continues after the last saved layer, with identical
-results (the states are the exact tensors, and per-layer arguments are recomputed identically).
+results (the states are the exact tensors, and per-layer arguments are recomputed identically). Under
+:func:`mixquant.preemption.stop_at_checkpoints`, a SIGTERM (SLURM's time limit or preemption) makes the pass
+save its states after the layer it is in and stop with :class:`mixquant.preemption.Preempted`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from mixquant import faults
 from mixquant.costs import STACK_LIMIT
 from mixquant.model.streaming import StreamedModel
+from mixquant.preemption import Preempted, stop_requested
 from mixquant.search.score import LayerQuant, kl_sum, quantized_experts
 
 log = logging.getLogger(__name__)
@@ -225,9 +228,13 @@ def branch_parallel_scores(
                 _run_branches(layer, branches, kwargs, stack)
             stream.release_layer(i)
             bar.update()
-            if state_path is not None and time.monotonic() - last_save >= checkpoint_interval_s:
+            stopping = stop_requested() and i + 1 < stream.num_layers
+            if state_path is not None and (stopping or time.monotonic() - last_save >= checkpoint_interval_s):
                 _save_state(state_path, state_key, i + 1, ref, branches)
                 last_save = time.monotonic()
+            if stopping:
+                saved = f"state saved: the retry resumes at layer {i + 1}" if state_path else "no state"
+                raise Preempted(f"stopped by SIGTERM after layer {i} of {stream.num_layers} ({saved})")
         sums: dict[str, dict[int, list[float]]] = {}
         for b, hidden in enumerate(ref):
             log_p = torch.log_softmax(stream.head(hidden), dim=-1, dtype=torch.float32)

@@ -12,6 +12,7 @@ from typing import Any
 
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.model.fetch import resolve_model_dir
+from mixquant.preemption import stop_at_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def run_score_sensitivity(
 
     Weights: the ``{fmt}_layer_{L}`` quantize_layer windows (``weights: rebuild``) or ModelOpt's own fake
     quant of the BF16 weights (``weights: max``, FP8 input amax from ``activations``). A killed job
-    resumes from the hidden states it saved beside its output (``.partial-<key>``)."""
+    resumes from the hidden states it saved beside its output (``.partial-<key>``); on SIGTERM (SLURM's time
+    limit, preemption) it saves them after the layer it is in and stops, for the retry to resume."""
     import shutil
 
     import torch
@@ -99,7 +101,7 @@ def run_score_sensitivity(
     reader = ShardReader(resolve_model_dir(model))
     reader.check_all()  # a broken shard stops here with one line naming it
     arch = architecture(reader.model_dir)
-    with StreamedModel(reader.model_dir, device=device, reader=reader) as stream:
+    with stop_at_checkpoints(), StreamedModel(reader.model_dir, device=device, reader=reader) as stream:
         sums = branch_parallel_scores(
             stream,
             ids[first:stop],
@@ -109,7 +111,7 @@ def run_score_sensitivity(
             stack=bool(settings["stack_branches"]),
             state_dir=state_dir,
             state_key=out_dir.name,
-            checkpoint_interval_s=float(settings.get("checkpoint_interval_s", 600.0)),
+            checkpoint_interval_s=checkpoint_interval(settings),
             progress=True,
         )
     seconds = time.perf_counter() - started
@@ -142,6 +144,16 @@ def run_score_sensitivity(
         reader.bytes_read,
     )
     return out_dir
+
+
+def checkpoint_interval(settings: dict[str, Any]) -> float:
+    """Seconds between a score job's state saves: ``placement.search.checkpoint_interval_s``, or by default
+    a quarter of the wall time the job was given (``runtime_min``, the rule's request; 10 min without one),
+    so a job stopped at its limit loses at most a quarter of its work."""
+    configured = settings.get("checkpoint_interval_s")
+    if configured is not None:
+        return float(configured)
+    return float(settings.get("runtime_min") or 10) * 60 / 4
 
 
 def routed_group_size(model_config: dict[str, Any]) -> tuple[int, float]:

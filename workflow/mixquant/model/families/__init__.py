@@ -1,4 +1,4 @@
-"""MoE families: everything architecture-specific, in one place (../shared/FAMILIES.md).
+"""MoE families: everything architecture-specific, in one place.
 
 mixquant works on the routed experts of a transformers MoE model whose experts module keeps them fused
 (``@use_experts_implementation``: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, gate rows first).
