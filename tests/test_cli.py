@@ -23,13 +23,15 @@ def test_predict_reference_release(capsys):
                 LAGUNA,
                 "--placement-counts",
                 "nvfp4_w4a16=39,fp8=3,bf16=5",
+                "--kv-cache-quant",
+                "FP8",
                 "--json",
             ]
         )
         == 0
     )
     report = json.loads(capsys.readouterr().out)
-    assert report["tensors"]["total"] == 101_377
+    assert report["tensors"]["total"] == 101_377 and report["tensors"]["kv_scales"] == 96
     assert report["payload_bytes"] == 92_433_871_744
     assert round(report["routed_effective_bits"], 4) == 5.9468
 
@@ -223,3 +225,108 @@ def test_dotted_config_keys_become_the_mapping_snakemake_takes():
         "target",
     ]
     assert nested_config_args(["--cores", "1", "results/x.y=z"]) == ["--cores", "1", "results/x.y=z"]
+
+
+def test_plan_warns_while_the_card_would_name_a_placeholder_repository(scratch, capsys, monkeypatch):
+    """Without release.repo_id the model card's `vllm serve` names <your-org>/<name>: `mixquant plan` says
+    so (with the plan or without anything to do; in --json too), and not once it is set."""
+    import mixquant.cli as cli
+
+    monkeypatch.setattr(cli, "dry_run", lambda *args, **kwargs: "")  # a plan with nothing to do
+    warning = (
+        "warning: release.repo_id is not set: the model card's `vllm serve` commands name the placeholder "
+        "<your-org>/<name>; set it to the Hub repository the release is uploaded to\n"
+    )
+    assert main(["plan", "--configfile", _write(scratch)]) == 0
+    assert warning in capsys.readouterr().out
+    assert main(["plan", "--json", "--configfile", _write(scratch)]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == [warning.removeprefix("warning: ").strip()]
+    named = _write(scratch, lambda c: c["release"].update(repo_id="me/toy"))
+    assert main(["plan", "--configfile", named]) == 0
+    assert "warning: release.repo_id" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ one config view for every command
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"mixquant {version('mixquant')}\n"
+
+
+def test_options_are_never_abbreviated(capsys):
+    """argparse would read `--config` as `--configfile` by prefix matching; an abbreviation is refused."""
+    from mixquant.cli import build_parser
+
+    args = build_parser().parse_args(["paths", "--config", "placement={target_effective_bits: 5.0}"])
+    assert args.configfile == "config/config.yaml" and args.config == [
+        "placement={target_effective_bits: 5.0}"
+    ]
+    with pytest.raises(SystemExit) as refused:
+        main(["paths", "--configf", "cfg.yaml"])
+    assert refused.value.code == 2 and "unrecognized arguments: --configf" in capsys.readouterr().err
+
+
+@pytest.fixture
+def snakemake_parser():
+    """Snakemake's --config parser, imported before `scratch` stops subprocesses (its executor plugins
+    look for SLURM's tools on import)."""
+    import snakemake.cli  # noqa: F401
+
+
+def test_paths_with_config_overrides_shows_the_keys_of_the_run_that_uses_them(
+    snakemake_parser, scratch, capsys
+):
+    """`paths --config ...` reads the config as `snakemake --config ...` does (Snakemake's syntax, nested
+    and dotted): the keys are those of the config file with the override written into it."""
+    base = _write(scratch)
+
+    def paths(*args: str) -> dict:
+        assert main(["paths", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    default = paths("--configfile", base)
+    written = paths(
+        "--configfile", _write(scratch, lambda c: c["placement"].update(target_effective_bits=5.0))
+    )
+    nested = paths("--configfile", base, "--config", "placement={target_effective_bits: 5.0}")
+    dotted = paths("--configfile", base, "--config", "placement.target_effective_bits=5.0")
+    assert nested == written and dotted == written
+    assert nested["placement"]["key"] != default["placement"]["key"]
+    assert nested["calibration"]["key"] == default["calibration"]["key"]  # upstream of the budget
+    # an unknown key in an override is the run's one line, naming --config
+    assert main(["paths", "--configfile", base, "--config", "placement={target_effective_bitz: 5}"]) == 2
+    assert capsys.readouterr().err == (
+        f"mixquant: {base} with --config placement: unknown config key 'placement.target_effective_bitz'; "
+        "did you mean 'placement.target_effective_bits'?\n"
+    )
+
+
+def test_verify_json_says_nothing_is_built_in_json(scratch, capsys):
+    assert main(["verify", "--json", "--configfile", _write(scratch)]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["built"] is False
+    assert "is not built; run the workflow first" in report["error"]
+
+
+def test_explain_works_on_planned_keys_not_built_yet(scratch, capsys):
+    """Two planned KLD runs (same candidate, another KV-cache dtype): explained from the planned inputs,
+    each marked as planned; a key neither built nor planned is one line."""
+    config = _write(scratch)
+    assert main(["paths", "--json", "--configfile", config]) == 0
+    table = json.loads(capsys.readouterr().out)
+    a, b = table["kld/bf16/bfloat16"]["key"], table["kld/bf16/fp8"]["key"]
+    assert main(["explain", a[:12], b, "--configfile", config]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"A: {table['kld/bf16/bfloat16']['path']} (planned, not built)"
+    assert out[1] == f"B: {table['kld/bf16/fp8']['path']} (planned, not built)"
+    assert out[2:] == ['config.kv_cache_dtype: "bfloat16" -> "fp8"']
+    assert main(["explain", "0" * 64, b, "--configfile", config]) == 2
+    assert capsys.readouterr().err == (
+        f"mixquant: no output directory with key {'0' * 64} under results/ nor among the config's planned "
+        "outputs\n"
+    )

@@ -90,3 +90,23 @@ def test_paths_outside_the_workdir_are_refused_unless_allowed_by_one_documented_
         committed["properties"]["allow_outside_workdir"]
         == json_schema()["properties"]["allow_outside_workdir"]
     )
+
+
+def test_null_and_tilde_from_the_command_line_unset_a_pin():
+    from snakemake.cli import parse_config
+    from snakemake.utils import update_config
+
+    for spelling in ("null", "~", "NULL"):
+        raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+        update_config(raw, parse_config([f"published={{quant_config: {spelling}, made_from: {spelling}}}"]))
+        cfg = validate_config(raw)
+        assert cfg.published.quant_config is None and cfg.published.made_from is None
+        assert cfg.published.prompt_token_ids is not None  # the others stay pinned
+    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    update_config(raw, parse_config(["calibration={num_samples: null}"]))
+    with pytest.raises(ConfigError) as error:
+        validate_config(raw, "config/config.yaml with --config calibration")
+    assert str(error.value) == (
+        "config/config.yaml with --config calibration: config key 'calibration.num_samples' cannot be null: "
+        "give it a value"
+    )

@@ -15,6 +15,7 @@ from mixquant.planning import (
     effective_bits_range,
     outside_workdir,
     run_end_lines,
+    snakemake_invocation,
 )
 from mixquant.rulelog import failure_marker, rule_logging, stage_log_path
 
@@ -222,3 +223,44 @@ def test_a_stage_that_failed_under_rule_logging_is_failed_until_it_runs_again(tm
         pass
     assert not failure_marker(log).exists() and artifact_state(art, tmp_path) == "todo"
     assert artifact_state(_artifact(tmp_path, "x", "pin_prompt", "d" * 64, True), tmp_path) == "done"
+
+
+def test_what_to_fix_before_the_release_is_uploaded_is_a_warning(raw):
+    """A card without a repository id or, with license: other, without a license link is worth a warning
+    (the run completes; the upload needs them), one line per key."""
+    from mixquant.planning import plan_warnings
+
+    assert plan_warnings(validate_config(raw, "cfg.yaml")) == [
+        "release.repo_id is not set: the model card's `vllm serve` commands name the placeholder "
+        "<your-org>/<name>; set it to the Hub repository the release is uploaded to"
+    ]
+    raw["release"].update(repo_id="me/toy-laguna", license_link=None)
+    assert plan_warnings(validate_config(raw, "cfg.yaml")) == [
+        "release.license is other but release.license_link is not set: the Hub expects a link to the license "
+        "text; set release.license_link (and release.license_name)"
+    ]
+    raw["release"].update(license="apache-2.0")
+    assert plan_warnings(validate_config(raw, "cfg.yaml")) == []
+    raw["release"].update(repo_id="not a repo id")
+    with pytest.raises(ConfigError, match="release.repo_id"):
+        validate_config(raw, "cfg.yaml")
+
+
+def test_the_snakemake_invocation_is_read_with_snakemake_s_own_parser(tmp_path, monkeypatch):
+    """common.smk decides before Snakemake does: a dry run or not, the executor (a profile's too), the
+    lock."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "config.yaml").write_text("executor: slurm\njobs: 4\n")
+    main = "/venv/lib/python3.11/site-packages/snakemake/__main__.py"
+    plain = snakemake_invocation([main, "--cores", "2"])
+    assert (plain.dry_run, plain.executor, plain.lock, plain.local) == (False, "local", True, True)
+    assert snakemake_invocation(["/venv/bin/snakemake", "-n", "--nolock"]).dry_run is True
+    assert snakemake_invocation(["/venv/bin/snakemake", "--cores", "1", "--nolock"]).lock is False
+    cluster = snakemake_invocation(["/venv/bin/snakemake", "--profile", "cluster"])
+    assert (cluster.executor, cluster.local) == ("slurm", False)
+    assert snakemake_invocation(["/venv/bin/snakemake", "-n", "--profile", "cluster"]).local is False
+    assert plain.executes and not snakemake_invocation(["/venv/bin/snakemake", "-n"]).executes
+    assert not snakemake_invocation(["/venv/bin/snakemake", "--unlock"]).executes
+    assert not snakemake_invocation(["/venv/bin/snakemake", "--report", "report.html"]).executes
+    assert snakemake_invocation(["pytest", "-q"]) is None  # not Snakemake's command line

@@ -267,3 +267,14 @@ def test_plots_valid_pngs_and_deterministic(tmp_path):
         plot_kl_cdf({}, tmp_path / "h.png")
     with pytest.raises(ValueError, match="NaN"):
         plot_per_position({"x": torch.tensor([math.nan])}, tmp_path / "i.png")
+
+
+def test_the_per_position_plot_reads_a_rolling_mean_that_skips_infinities():
+    """The line drawn over the noisy positions is a centred rolling mean of the finite values only."""
+    import numpy as np
+    from mixquant.kld.report import _rolling_mean
+
+    x = np.array([1.0, 3.0, np.inf, 5.0, 7.0])
+    got = _rolling_mean(np.where(np.isinf(x), np.nan, x), 3)
+    assert np.allclose(got, [2.0, 2.0, 4.0, 6.0, 6.0])
+    assert np.isnan(_rolling_mean(np.array([np.nan, np.nan]), 2)).all()

@@ -133,3 +133,45 @@ def test_a_hub_download_resolves_after_its_directory_is_renamed_into_place(model
     tmp.rename(final)
     assert fetch.resolve_model_dir(final) == final / "model"
     assert (fetch.resolve_model_dir(final) / "config.json").read_text() == '{"model_type": "laguna"}'
+
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def no_hub(tmp_path, monkeypatch):
+    """huggingface_hub pointed at a closed local port (a real connection error, at once), with an empty
+    cache of its own and no waits between its retries."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(_http.time, "sleep", lambda seconds: None)
+    return tmp_path / "hub-cache"
+
+
+def test_a_hub_model_without_network_is_one_line_naming_repo_revision_and_the_offline_cache(no_hub, tmp_path):
+    with pytest.raises(OSError) as info:
+        fetch.fetch_hub_model("org/name", REVISION, tmp_path / "artifact")
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(
+        f"model.hub: cannot download org/name at revision {REVISION} from http://127.0.0.1:9"
+    )
+    assert "Connection refused" in line  # the client's own reason, not a guess
+    assert "HF_HUB_OFFLINE=1" in line and f"Hugging Face cache at {no_hub}" in line
+
+
+def test_offline_a_hub_model_comes_from_the_populated_cache(no_hub, tmp_path, monkeypatch):
+    """What the line advises works: with the revision in the cache and no network, the fetch records it."""
+    snapshot = no_hub / "models--org--name" / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "laguna"}')
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = fetch.fetch_hub_model("org/name", REVISION, tmp_path / "artifact")
+    assert source["files"] == {"config.json": {"sha256": sha(b'{"model_type": "laguna"}'), "size": 24}}
+    assert fetch.resolve_model_dir(tmp_path / "artifact") == tmp_path / "artifact" / "model"

@@ -1,4 +1,5 @@
-"""assemble_release on synthetic keyed outputs: layout, hardlinks, manifest, card and one-line refusals."""
+"""assemble_release on synthetic keyed outputs: layout, hardlinks, manifest, card and one-line refusals; the
+card read as the Hub reads it (tests/model_card_checks.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-from mixquant.config import load_config_file
+import yaml
+from mixquant.config import load_config_file, validate_config
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.manifest import verify_manifest, write_manifest
 from mixquant.release.bundle import ReleaseInputError, run_assemble_release
 from mixquant.release.card import parse_front_matter
 from mixquant.release.recipe import load_recipe, recipe_document
+from model_card_checks import check_uploadable
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEMENT = {layer: "nvfp4_w4a16" for layer in range(1, 5)} | {5: "fp8", 6: "fp8", 7: "bf16", 8: "bf16"}
@@ -73,8 +76,8 @@ def upstream(release_dirs, make_keyed_dir):
     return dirs
 
 
-def _release(upstream, tmp_path, **changes):
-    recipe = recipe_document(load_config_file(REPO / "config/config.yaml"), PLACEMENT)
+def _release(upstream, tmp_path, cfg=None, **changes):
+    recipe = recipe_document(cfg or load_config_file(REPO / "config/config.yaml"), PLACEMENT)
     keys = {role: Path(path).name for role, path in upstream.items()}
     preimage = {"stage": "assemble_release", "config": {"recipe": recipe}, "upstream": keys}
     out = tmp_path / "results" / "assemble_release" / canonical_sha256(preimage)
@@ -98,6 +101,7 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
             "numerics.json",
             "quantization_recipe.yaml",
             "reference/logits.safetensors",
+            "reference/prompt.safetensors",
             "reference/reference.json",
             "tokenizer.json",
             *(f"kld/{c}.{kv}.json" for c in CANDIDATES for kv in KV),
@@ -173,3 +177,115 @@ def test_missing_gate_and_unfinished_inputs_are_named(upstream, tmp_path):
         _release(upstream, tmp_path)
     with pytest.raises(ValueError, match="expected 64 lowercase hex digits"):
         _release(upstream, tmp_path, checkpoint=str(tmp_path / "not-a-key"))
+
+
+def _config(name="config/config.yaml", edit=None):
+    document = yaml.safe_load((REPO / name).read_text())
+    if edit:
+        edit(document)
+    return validate_config(document, name)
+
+
+def _add_gates(upstream, make_keyed_dir, candidate, engine=None):
+    for kv in KV:
+        gate = make_keyed_dir("gate_kld", f"{candidate}/{kv}")
+        _json(gate / "aggregate.json", _gate(candidate, kv) | ({"engine": engine} if engine else {}))
+        write_manifest(gate, {"label": gate.name})
+        upstream[f"gate_{candidate}_{kv}"] = gate
+
+
+@pytest.mark.parametrize("repo_id", [None, "someone/toy-laguna-mixquant"])
+def test_the_card_uploads_as_is_with_the_bits_of_every_candidate(upstream, tmp_path, make_keyed_dir, repo_id):
+    """The toy's card with two more candidates, a uniform FP8 (8 bits, its KLD lower than the searched
+    checkpoint's 8.25 bits would suggest it wins) and an explicit map whose bits come from the layer formats
+    the KLD engine recorded: the Hub's parser takes it, it names only files it ships, and each row states
+    its candidate's bits."""
+
+    def edit(config):
+        config["release"]["repo_id"] = repo_id
+        config["kld"]["candidates"] += [
+            {"name": "uniform-fp8", "source": "uniform", "format": "fp8"},
+            {
+                "name": "fp8-half",
+                "source": "explicit",
+                "explicit": {"default_format": "bf16", "layers": [{"layers": "1-4", "format": "fp8"}]},
+            },
+        ]
+
+    _add_gates(upstream, make_keyed_dir, "uniform-fp8")
+    formats = {str(layer): "fp8" if layer <= 4 else "bf16" for layer in range(1, 9)}
+    _add_gates(
+        upstream, make_keyed_dir, "fp8-half", {"engine": "hf", "checkpoint": {"layer_formats": formats}}
+    )
+    cfg = _config(edit=edit)
+    repo = _release(upstream, tmp_path, cfg) / "repo"
+    recipe = recipe_document(cfg, PLACEMENT)
+    bits = {"searched": 8.25, "uniform-nvfp4": 4.5, "bf16": 16.0, "uniform-fp8": 8.0, "fp8-half": 12.0}
+    card = check_uploadable(repo, recipe, bits)
+    served = repo_id or "<your-org>/toy-laguna-MixQuant-4xNVFP4-2xFP8-2xBF16"
+    assert f"vllm serve {served} \\\n" in card.text
+    assert card.data.model_name == (repo_id or served).split("/")[-1]
+    for text in ("data/", "results/", "pin_prompt", "export_checkpoint/", "build-toy", "manifest.json"):
+        assert text not in card.content, text  # local paths and files that are not in the repository
+
+
+def test_a_hub_release_names_its_base_model_and_the_vllm_the_gates_ran_with(
+    upstream, tmp_path, make_keyed_dir
+):
+    """The reference release's config: base_model is the source repository; the vLLM version and the GPU
+    are the ones the KLD runs recorded (not a constant: another record, another card)."""
+
+    def edit(config):
+        config["release"] = {
+            "repo_id": "someone/Laguna-S-2.1-MixQuant",
+            "license": "other",
+            "license_name": "example",
+            "license_link": "https://example.com/license",
+        }
+        config["kld"]["kv_cache_dtypes"] = list(KV)
+
+    cfg = _config("config/laguna-s-2.1.yaml", edit)
+    candidates = [c.name for c in cfg.kld.candidates]
+    gates = {role: path for role, path in upstream.items() if not role.startswith("gate_")}
+
+    def release(vllm, root):
+        engine = {"engine": "vllm", "versions": {"vllm": vllm, "torch": "2.9.0+cu128"}}
+        engine["numerics"] = {"decisive": {"gpu": "NVIDIA B200"}}
+        for candidate in candidates:
+            _add_gates(
+                gates, lambda stage, label: make_keyed_dir(stage, f"{root}/{label}"), candidate, engine
+            )
+        return _release(gates, tmp_path / root, cfg) / "repo"
+
+    repo = release("0.33.1", "a")
+    recipe = recipe_document(cfg, PLACEMENT)
+    card = check_uploadable(repo, recipe, {"searched": 8.25, "poolside-nvfp4": None})
+    assert card.data.base_model == "poolside/Laguna-S-2.1"
+    assert "ran with vLLM 0.33.1 on NVIDIA B200, tensor parallel 4." in card.text
+    assert "ran with vLLM 0.34.0 on NVIDIA B200" in (release("0.34.0", "b") / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ("library_name: Model Optimizer", "library_name: transformers", "library_name"),
+        ("license_link: https://docs.python.org/3/license.html\n", "", "license: other needs name and link"),
+        ("`reference/`", "`data/toy-laguna`", "names 'data/toy-laguna'"),
+        ("| `reference/prompt.safetensors` |", "| pin_prompt/prompt.safetensors |", "pin_prompt/prompt"),
+        ("vllm serve <your-org>/", "vllm serve ", "vllm serve toy-laguna"),
+        ("| searched | bfloat16 | 8.25 |", "| searched | bfloat16 | 4.5 |", "searched"),
+    ],
+)
+def test_the_upload_check_finds_what_a_hub_user_would(upstream, tmp_path, old, new, problem):
+    """The check fails on each problem a card could have: the wrong library, a license without its link, a
+    local path, a file that is not in the repository, a bare model name to serve, a candidate's wrong bits."""
+    cfg = load_config_file(REPO / "config/config.yaml")
+    repo = _release(upstream, tmp_path, cfg) / "repo"
+    recipe = recipe_document(cfg, PLACEMENT)
+    bits = {"searched": 8.25, "uniform-nvfp4": 4.5, "bf16": 16.0}
+    check_uploadable(repo, recipe, bits)
+    card = (repo / "README.md").read_text()
+    assert old in card
+    (repo / "README.md").write_text(card.replace(old, new))
+    with pytest.raises(AssertionError, match=problem):
+        check_uploadable(repo, recipe, bits)

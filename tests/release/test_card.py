@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from mixquant.config import load_config_file
-from mixquant.release.card import CardInputs, model_card, parse_front_matter, serve_commands
+from mixquant.release.card import CardInputs, model_card, parse_front_matter
 from mixquant.release.recipe import recipe_document
+from mixquant.release.serving import serve_commands
 
 REPO = Path(__file__).resolve().parents[2]
 TOY_PLACEMENT = {1: "nvfp4_w4a16", 2: "nvfp4_w4a16", 3: "fp8", 4: "nvfp4_w4a16", 5: "bf16", 6: "fp8",
@@ -122,7 +123,9 @@ def test_front_matter_parses_and_names_what_a_hub_needs():
     card = model_card(_inputs())
     meta = parse_front_matter(card)
     assert meta["license"] == "other" and meta["license_name"] == "psf-2.0"  # config/config.yaml release
-    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["license_link"] == "https://docs.python.org/3/license.html"
+    # what NVIDIA's ModelOpt checkpoints declare: transformers cannot load a ModelOpt MIXED_PRECISION one
+    assert meta["library_name"] == "Model Optimizer" and meta["pipeline_tag"] == "text-generation"
     assert {"mixquant", "modelopt", "nvfp4", "fp8", "mixed-precision", "laguna"} <= set(meta["tags"])
     assert "base_model" not in meta  # the toy has no hub repository to point at
     quant = meta["quantization"]

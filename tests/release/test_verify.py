@@ -20,6 +20,7 @@ from mixquant.release.verify import (
     EQUAL,
     MATCH,
     MISMATCH,
+    NOT_COMPARABLE,
     NOT_PINNED,
     UNKNOWN,
     HashMismatchError,
@@ -426,6 +427,7 @@ def test_cli_exit_codes_strict_and_not(release_dirs, two_logits, tmp_path, monke
     published = {**two_logits, "numerics": _other_numerics(decisive)}
     monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(published=published, results_dir="r"))
     monkeypatch.setattr(cli, "_artifacts", lambda cfg, args: artifacts)
+    monkeypatch.setattr("mixquant.keys.artifacts.made_from", lambda artifacts, cfg: None)  # no recipes pinned
     assert cli.main(["verify"]) == 0
     assert "not reproducible bit for bit here" in capsys.readouterr().out.splitlines()[-1]
     assert cli.main(["verify", "--strict"]) == 1
@@ -572,6 +574,7 @@ def test_verify_key_follows_the_prompt_reference_and_checkpoint(explicit_raw):
         "reference_logits": art["reference_logits"].key,
     }
     assert set(verify.preimage["config"]) == {"published"}
+    assert set(verify.settings["planned"]) == {"prompt", "reference_logits", "checkpoint", "settings"}
     assert str(verify.path).startswith("results/verify_hashes/")
     changed = copy.deepcopy(explicit_raw)
     changed["export"]["num_shards"] = 1  # moves the checkpoint only
@@ -591,3 +594,124 @@ def test_cli_verify_before_the_workflow_ran_exits_2_naming_the_stage(
     err = capsys.readouterr().err.strip()
     assert err.startswith("mixquant: pin_prompt: results/pin_prompt/") and "run the workflow first" in err
     assert "\n" not in err
+
+
+# ------------------------------------------------------------- what a published hash was made from
+
+
+def _recipes(art):
+    return {name: art[name].recipe for name in ("prompt", "reference_logits", "checkpoint")}
+
+
+def test_a_recipe_is_what_an_artifact_is_made_from(explicit_raw):
+    """A recipe follows the settings an artifact is made from, not its code, packages or neighbours."""
+    base = resolve_artifacts(validate_config(explicit_raw))
+    assert all(len(art.recipe) == 64 and art.recipe != art.key for art in base.values())
+    changed = copy.deepcopy(explicit_raw)
+    changed["calibration"]["num_samples"] = 32  # the rebuild's calibration: the checkpoint, not the prompt
+    other = resolve_artifacts(validate_config(changed))
+    assert other["checkpoint"].recipe != base["checkpoint"].recipe
+    assert _recipes(other)["prompt"] == _recipes(base)["prompt"]
+    assert other["reference_logits"].recipe == base["reference_logits"].recipe
+    changed = copy.deepcopy(explicit_raw)
+    changed["kld"]["candidates"].append({"name": "uniform-fp8", "source": "uniform", "format": "fp8"})
+    assert _recipes(resolve_artifacts(validate_config(changed))) == _recipes(base)
+
+
+def test_a_recipe_leaves_out_the_packages_and_code_the_key_holds(explicit_raw, monkeypatch):
+    import mixquant.keys.artifacts as artifacts_module
+
+    base = resolve_artifacts(validate_config(explicit_raw))
+    real = artifacts_module.stage_preimage
+
+    def newer_torch(stage, config_slice, upstream, packages=None, env=None):
+        preimage = real(stage, config_slice, upstream, packages, env)
+        return {**preimage, "packages": {**preimage["packages"], "torch": "99.0"}}
+
+    monkeypatch.setattr(artifacts_module, "stage_preimage", newer_torch)
+    other = resolve_artifacts(validate_config(explicit_raw))
+    assert other["checkpoint"].key != base["checkpoint"].key
+    assert _recipes(other) == _recipes(base)
+
+
+def _made_from_pins(release_dirs, **recipes):
+    planned = {"prompt": "a" * 64, "reference_logits": "b" * 64, "checkpoint": "c" * 64}
+    settings = {"placement": "1" * 16, "calibration": "2" * 16, "kld": "3" * 16}
+    published = {**actual(release_dirs), "made_from": {**planned, **recipes, "settings": settings}}
+    return published, {**planned, "settings": settings}
+
+
+def test_hashes_of_an_artifact_made_otherwise_are_not_comparable_and_pass(release_dirs):
+    published, planned = _made_from_pins(release_dirs, checkpoint="d" * 64)
+    planned["settings"] = {**planned["settings"], "placement": "9" * 16}
+    published["quant_config"] = "0" * 64  # differs by construction: not a mismatch
+    report = verify_dirs(published, **sources(release_dirs), planned=planned)
+    assert {c.name: c.status for c in report.checks} == {
+        "prompt_token_ids": MATCH,
+        "reference_logits": MATCH,
+        "quant_config": NOT_COMPARABLE,
+        "safetensors_index": NOT_COMPARABLE,
+    }
+    note = report.not_comparable[0].note
+    assert "checkpoint (export_checkpoint) is made from other settings" in note
+    assert "differs from the published config in placement" in note and "calibration" not in note
+    assert report.passed and not report.ok and not report.failures() and report.failures(strict=True)
+    text = format_report(report)
+    assert "quant_config: not comparable: the checkpoint" in text
+    assert text.splitlines()[-2] == "2 match, 0 mismatch, 0 not pinned, 2 not comparable"
+    assert text.splitlines()[-1].startswith(
+        "passed: quant_config, safetensors_index not comparable: the checkpoint (export_checkpoint)"
+    )
+    assert text.splitlines()[-1].endswith("; --strict fails on it")
+    strict = format_report(report, strict=True).splitlines()[-1]
+    assert strict.startswith("FAILED: --strict: quant_config, safetensors_index not comparable")
+    document = report.to_json()
+    assert document["counts"][NOT_COMPARABLE] == 2 and set(document["not_comparable"]) == {
+        "quant_config",
+        "safetensors_index",
+    }
+
+
+def test_the_published_recipe_is_compared_and_a_real_mismatch_still_fails(release_dirs):
+    published, planned = _made_from_pins(release_dirs)
+    published["quant_config"] = "0" * 64
+    report = verify_dirs(published, **sources(release_dirs), planned=planned)
+    assert [c.status for c in report.checks] == [MATCH, MATCH, MISMATCH, MATCH]
+    assert not report.passed
+    # without recipes on either side every pinned hash is compared, as before made_from existed
+    del published["made_from"]
+    assert [c.status for c in verify_dirs(published, **sources(release_dirs), planned=planned).checks] == [
+        MATCH,
+        MATCH,
+        MISMATCH,
+        MATCH,
+    ]
+
+
+def test_a_recipe_change_with_the_published_sections_says_so(release_dirs):
+    published, planned = _made_from_pins(release_dirs, prompt="e" * 64)
+    report = verify_dirs(published, **sources(release_dirs), planned=planned)
+    (check,) = report.not_comparable
+    assert check.name == "prompt_token_ids" and "config sections are the published ones" in check.note
+
+
+def test_the_rule_passes_not_comparable_hashes_unless_strict(release_dirs, tmp_path, capsys):
+    from mixquant.keys.canonical import canonical_sha256
+
+    published, planned = _made_from_pins(release_dirs, checkpoint="d" * 64)
+    planned["settings"] = {**planned["settings"], "placement": "9" * 16}
+
+    def run(published):
+        preimage = {"stage": "verify_hashes", "config": {"published": published}}
+        out = tmp_path / "results" / "verify_hashes" / canonical_sha256(preimage)
+        settings = {"published": published, "planned": planned}
+        run_verify_hashes(out, **sources(release_dirs), settings=settings, preimage=preimage)
+        return out
+
+    out = run(published)
+    document = json.loads((out / "verify.json").read_text())
+    assert document["passed"] is True and document["counts"][NOT_COMPARABLE] == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("mixquant: verify_hashes passed: quant_config, safetensors_index not comparable")
+    with pytest.raises(HashMismatchError, match=r"^published.strict: quant_config, safetensors_index not"):
+        run({**published, "strict": True})

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+CONSOLE = "build-console.txt"  # built_workdir: the console output of its default run
 
 
 @dataclass
@@ -97,12 +98,20 @@ def built_workdir(tmp_path_factory) -> Workdir:
             if seed := os.environ.get("MIXQUANT_TEST_RESULTS"):
                 shutil.rmtree(build.root / "results", ignore_errors=True)
                 shutil.copytree(seed, build.root / "results")
-            build.snakemake()
+            # what the run printed, for the console test (tests/workflow/test_run_console.py); as bytes, so
+            # that a progress bar's \r redraws stay on their line, as on a terminal
+            run = subprocess.run(
+                [sys.executable, "-m", "snakemake", "--cores", "2"], cwd=build.root, capture_output=True
+            )
+            if run.returncode != 0:
+                raise AssertionError(f"snakemake failed:\n{run.stderr.decode(errors='replace')}")
+            (build.root / CONSOLE).write_bytes(run.stderr + run.stdout)
             (build.root / "built").touch()
     wd = make_workdir(tmp_path_factory.mktemp("e2e") / "wd")
     # results (mtimes kept) and Snakemake's records of them, not its locks or the build's markers
     shutil.copytree(build.root / "results", wd.root / "results")
     skip = shutil.ignore_patterns("locks", "incomplete", "log")
     shutil.copytree(build.root / ".snakemake", wd.root / ".snakemake", ignore=skip)
+    shutil.copy(build.root / CONSOLE, wd.root / CONSOLE)
     wd.snakemake()
     return wd

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from mixquant.model.families import architecture
 
+LAGUNA = "config/laguna-s-2.1.yaml"  # numerics.device: cuda: its jobs run on the GPU nodes of slurm-blackwell
+
 # Up to the solve_placement checkpoint: the rebuild of the placement and the export are planned once
 # Snakemake has the placement (they appear in the plan of a later run).
 TOY_DAG = {
@@ -55,7 +57,11 @@ def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
 
 
 def test_reference_config_plans_without_weights(workdir):
-    assert workdir.plan("config/laguna-s-2.1.yaml") == {
+    """On the cluster profile its CUDA jobs run on (this machine plans them; it need not have CUDA)."""
+    out = workdir.mixquant(
+        "plan", "--json", "--no-env-check", "--profile", "profiles/slurm-blackwell", "--configfile", LAGUNA
+    )
+    assert {rule: row["jobs"] for rule, row in json.loads(out.stdout)["rules"].items()} == {
         "sample_calibration": 1,
         "pin_prompt": 1,
         "collect_activation_stats": 1,
@@ -77,7 +83,9 @@ def test_reference_config_is_not_mixed_with_the_default(workdir):
     toy = workdir.paths()
     real = workdir.paths("config/laguna-s-2.1.yaml")
     assert toy["calibration"]["key"] != real["calibration"]["key"]
-    result = workdir.snakemake("-n", "--configfile", "config/laguna-s-2.1.yaml")
+    result = workdir.snakemake(
+        "-n", "--profile", "profiles/slurm-blackwell", "--sdm", "env-modules", "--configfile", LAGUNA
+    )
     assert real["calibration"]["path"] in result.stdout + result.stderr
 
 
@@ -248,7 +256,7 @@ def test_a_cpu_config_on_the_slurm_profile_asks_for_no_gpu(workdir):
 
 
 def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
-    """Issue 16's numbers for Laguna-S-2.1 on slurm-blackwell: every forward stage on the GPU partition,
+    """The README's numbers for Laguna-S-2.1 on slurm-blackwell: every forward stage on the GPU partition,
     at most 64 GB of host memory per job, sensitivity within 1 GPU-hour, the pipeline within 10 GPU-hours
     and 50 CPU core-hours (as allocated), and a critical path within 3 hours."""
     plan = json.loads(
@@ -426,3 +434,25 @@ def test_paths_shows_the_env_and_the_versions_each_key_holds(workdir):
     toy = workdir.paths()
     assert toy["reference_logits"]["env"] == "venv"
     assert toy["reference_logits"]["packages"]["torch"] == installed_versions(("torch",))["torch"]
+
+
+def test_paths_and_a_run_with_the_same_config_overrides_plan_the_same_keys(workdir):
+    """`mixquant paths --config ...` shows the keys `snakemake --config ...` plans; a --configfile run
+    reads that file alone, without Snakemake's note that it extends config/config.yaml."""
+    override = ("--config", "placement={target_effective_bits: 5.0}")
+    paths = json.loads(workdir.mixquant("paths", "--json", *override).stdout)
+    assert paths["placement"]["key"] != workdir.paths()["placement"]["key"]
+    run = workdir.snakemake("-n", *override)
+    assert paths["placement"]["path"] in run.stdout
+    alone = workdir.snakemake("-n", "--configfile", workdir.write_config("other.yaml", workdir.config()))
+    assert "is extended by additional config" not in alone.stdout + alone.stderr
+    assert paths["calibration"]["path"] in alone.stdout
+
+
+def test_plan_names_each_job_and_the_gpu_its_estimates_assume(workdir):
+    text = workdir.mixquant("plan", "--jobs", "--no-env-check").stdout
+    names = [match.group(1) for match in re.finditer(r"^(\S.*?) +[0-9a-f]{12}  ", text, re.M)]
+    assert "quantize_layer nvfp4_w4a16 layers 1-8" in names and "quantize_layer fp8 layers 1-8" in names
+    assert {"run_kld bf16 kv fp8", "gate_kld uniform-nvfp4 kv bfloat16", "fetch_model"} <= set(names)
+    assert len(names) == sum(TOY_DAG.values())
+    assert "they assume one HGX B200 GPU (179 GiB) per GPU job" in text

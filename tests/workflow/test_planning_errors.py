@@ -105,3 +105,178 @@ def test_a_conda_profile_plans_the_conda_keys_where_conda_is_not_installed(workd
     assert conda["calibration"]["env"] == "envs/quant.yaml" and venv["calibration"]["env"] == "venv"
     assert conda["calibration"]["path"] in outputs and venv["calibration"]["path"] not in outputs
     assert conda["model"]["key"] == venv["model"]["key"]  # a content pin: no package decides it
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda_here(), reason="this machine has CUDA: numerics.device: cuda plans and runs here")
+def test_cuda_without_cuda_stops_planning_on_this_machine_but_plans_for_the_cluster(workdir):
+    """numerics.device: cuda on a machine without CUDA: the local plan (`snakemake -n`, `mixquant plan`)
+    stops with one line naming the key and both fixes; under a SLURM profile the jobs run on the cluster's
+    GPU nodes, so this machine (a login node) plans them."""
+    import json
+
+    import torch
+
+    config = workdir.config()
+    config["numerics"]["device"] = "cuda"
+    name = workdir.write_config("config/cuda.yaml", config)
+    reason = (
+        f"torch {torch.__version__} here is built without CUDA"
+        if not torch.backends.cuda.is_built()
+        else "torch finds no CUDA device here"
+    )
+    expected = (
+        f"config key 'numerics.device': 'cuda', but {reason}: set numerics.device: cpu, or run on a CUDA node"
+    )
+    result = workdir.snakemake("-n", "--configfile", name, check=False)
+    assert result.returncode != 0
+    errors = _mixquant_lines(result)
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    plan = workdir.mixquant("plan", "--configfile", name, check=False)
+    assert plan.returncode == 2 and plan.stderr.count("\n") == 1 and expected in plan.stderr, plan.stderr
+    cluster = workdir.mixquant(
+        "plan", "--json", "--no-env-check", "--profile", "profiles/slurm-blackwell", "--configfile", name
+    )
+    jobs = json.loads(cluster.stdout)["jobs"]
+    assert {job["resources"]["gpu"] for job in jobs if job["rule"] == "quantize_layer"} == {"1"}
+
+
+def test_the_vllm_engine_without_vllm_stops_the_run_before_any_job_pointing_at_the_serve_env(workdir):
+    """kld.engine: vllm in this venv, without vLLM and without software.vllm_python: `mixquant plan` lists it
+    as what stops the run, and a run stops at its start, naming envs/serve.yaml (--sdm conda), never a pip
+    extra (vLLM pins its own torch: it cannot install beside mixquant's)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here")
+    config = workdir.config()
+    config["kld"]["engine"] = "vllm"
+    name = workdir.write_config("config/vllm.yaml", config)
+    expected = (
+        "config key 'kld.engine': vllm, but vLLM is not importable here and software.vllm_python is not set: "
+        "run with --sdm conda (the vLLM stages then run in envs/serve.yaml), or set software.vllm_python"
+    )
+    plan = workdir.mixquant("plan", "--no-env-check", "--configfile", name).stdout
+    assert f"  - {expected}" in plan
+    result = workdir.snakemake("--configfile", name, check=False)
+    assert result.returncode != 0
+    errors = _mixquant_lines(result)
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert "pip install" not in result.stderr
+    assert not (workdir.root / "results" / "fetch_model").exists()  # no job ran
+
+
+def test_a_hub_model_without_geometry_says_what_the_plan_cannot_estimate(workdir):
+    """Without model.geometry the plan has no estimates and every job the same fallback request: the plan
+    (`mixquant plan`, `snakemake -n`) says so, why, and how to fix it."""
+    config = workdir.config("config/laguna-s-2.1.yaml")
+    del config["model"]["geometry"]
+    config["numerics"]["device"] = "cpu"
+    name = workdir.write_config("config/no-geometry.yaml", config)
+    expected = (
+        "model.geometry is not set (hub model poolside/Laguna-S-2.1 at revision "
+        f"{config['model']['hub']['revision']}): without the model's config.json planning estimates no "
+        "memory, time or disk, and every job requests the same mem_mb=4000, runtime=60, disk_mb=50000"
+    )
+    plan = workdir.mixquant(
+        "plan", "--no-env-check", "--profile", "profiles/slurm-blackwell", "--configfile", name
+    )
+    warnings = [line for line in plan.stdout.splitlines() if line.startswith("warning: model.geometry")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {expected}"), plan.stdout
+    assert "set model.geometry to a copy of the pinned revision's config.json" in warnings[0]
+    assert "Estimates" not in plan.stdout  # nothing estimated, and now it says why
+    dry = workdir.snakemake(
+        "-n", "--profile", "profiles/slurm-blackwell", "--sdm", "env-modules", "--configfile", name
+    )
+    assert f"warning: {expected}" in dry.stderr
+
+
+def test_a_run_in_a_busy_workdir_stops_with_the_holders_line_only(workdir):
+    """Another live run holds this working directory (its owner record, as a run writes it at its start): a
+    run stops with the one line naming it, before Snakemake's lock error and its advice to --unlock (which
+    would break the live run); a dry run still plans and names the holder."""
+    import json
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        start = Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        owner = {"pid": holder.pid, "host": socket.gethostname(), "start": start}
+        (workdir.root / ".snakemake").mkdir()
+        (workdir.root / ".snakemake" / "mixquant-run.json").write_text(json.dumps(owner))
+        line = (
+            f"mixquant: this working directory is in use by the run of pid {holder.pid} on "
+            f"{socket.gethostname()}; wait for it or stop it (snakemake --unlock only once it is gone)"
+        )
+        result = workdir.snakemake(check=False)
+        assert result.returncode != 0
+        assert _mixquant_lines(result) == [line], result.stderr
+        assert "LockException" not in result.stderr + result.stdout
+        assert "Traceback" not in result.stderr + result.stdout
+        assert not (workdir.root / "results").exists()  # no job ran
+        dry = workdir.snakemake("-n")
+        assert line in dry.stderr.splitlines()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_and_the_tracebacks_in_the_logs(workdir):
+    """A Ctrl-C (SIGINT to the run's whole process group, as a terminal sends it) while jobs run: after it
+    the console holds one line, no traceback and no 'failed' stage; the jobs' tracebacks are in their logs
+    and Snakemake's account in its log; a rerun plans the rest, nothing locked."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    console = workdir.root / "console.txt"
+    with open(console, "w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "2"],
+            cwd=workdir.root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        try:
+            deadline = time.monotonic() + 300
+            running = workdir.root / "results" / "logs" / "sample_calibration"  # the job has started
+            while not (running.is_dir() and any(running.iterdir())):
+                assert run.poll() is None and time.monotonic() < deadline, console.read_text()[-3000:]
+                time.sleep(0.1)
+            time.sleep(2)  # the jobs are importing or computing
+            before = len(console.read_text().splitlines())
+            os.killpg(run.pid, signal.SIGINT)
+            assert run.wait(timeout=300) != 0
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    lines = console.read_text().splitlines()
+    after = lines[before:]
+    assert len(after) <= 6, after  # a job that ended as the signal went out (its 3 lines), and ours
+    assert lines[-1].startswith("mixquant: interrupted; rerun the same command to resume"), lines[-5:]
+    text = "\n".join(lines)
+    for noise in ("Traceback", "KeyboardInterrupt", "Error in rule", "failed", "--unlock"):
+        assert noise not in text, noise
+    interrupted = [
+        log.parent.name
+        for log in (workdir.root / "results" / "logs").glob("*/*.log")
+        if "KeyboardInterrupt" in log.read_text()
+    ]
+    assert interrupted, "no job's log holds its traceback"
+    (snakemake_log,) = (workdir.root / ".snakemake" / "log").glob("*.snakemake.log")
+    assert all(f"Error in rule {stage}" in snakemake_log.read_text() for stage in interrupted)
+    assert str(snakemake_log.name) in lines[-1]
+    rerun = workdir.snakemake("-n")
+    assert "sample_calibration" in rerun.stdout and "LockException" not in rerun.stderr

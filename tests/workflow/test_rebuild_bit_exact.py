@@ -104,7 +104,7 @@ def _without_producer(data: dict) -> dict:
 
 
 def test_export_equals_modelopt_export_and_audit_agrees(built_workdir, explicit, tmp_path):
-    """Issue 4 acceptance: the export equals ModelOpt's export_hf_checkpoint for the same placement
+    """The export equals ModelOpt's export_hf_checkpoint for the same placement
     and algorithm (tensor names, dtypes, shapes, bytes; JSON apart from producer fields), and the
     audit agrees with `mixquant predict` and with an independent count from the safetensors headers."""
     wd = built_workdir

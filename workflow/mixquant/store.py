@@ -44,7 +44,7 @@ def hold_results_store(results_dir: str | Path, say=None) -> bool:
     name = str(root.resolve())
     if name in _held:
         return False
-    fd = os.open(root / STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(root / STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # group: the umask
     waited = False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

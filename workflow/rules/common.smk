@@ -3,18 +3,22 @@ import os
 import shutil
 import sys
 
+from snakemake.logging import logger as snakemake_logger
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from mixquant.cluster import (
     active_run_line,
     clear_stale_lock,
+    geometry_missing_line,
     job_request,
     planning_geometry,
     record_run_owner,
     release_run_owner,
 )
 from mixquant.faults import point as fault_point
+from mixquant.console import job_name as console_job_name, quiet_console
+from mixquant.interrupt import interrupted_line, watch_interrupt
 from mixquant.config import ConfigError, select_workflow_config, validate_config
 from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
 from mixquant.keys.stages import stage_env
@@ -24,14 +28,21 @@ from mixquant.model.families import (
 )
 from mixquant.planning import (
     check_deployment,
+    check_device,
     check_plan,
     check_run_deployment,
     check_run_start,
+    check_vllm,
     report_run_end,
+    snakemake_invocation,
 )
 from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
 
+# A Ctrl-C: Snakemake's account of the stopped jobs stays in its log file, off the console (mixquant.interrupt).
+INTERRUPT = watch_interrupt(snakemake_logger) if workflow.is_main_process else None
+# How Snakemake was started (dry run, executor, lock), read before Snakemake itself knows.
+INVOCATION = snakemake_invocation() if workflow.is_main_process else None
 SELECTED_CONFIG = select_workflow_config(
     config, workflow.overwrite_configfiles, workflow.config_settings.overwrite_config
 )
@@ -69,6 +80,9 @@ try:
         os.environ.get("MIXQUANT_PLAN_DEPLOYMENT") or SNAKEMAKE_DEPLOYMENT,
         CONFIG_SOURCE,
     )
+    # CUDA jobs on this machine need CUDA here; a cluster's jobs run on nodes that have their own
+    if INVOCATION is not None and (INVOCATION.dry_run or INVOCATION.executes):
+        check_device(CFG, INVOCATION.local, CONFIG_SOURCE)
 except ConfigError as error:
     sys.exit(f"mixquant: {error}")
 # What the keys are made of: the config as mixquant read it (a quoted number from a YAML file or a
@@ -87,7 +101,12 @@ HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
 
 # A run killed with SIGKILL leaves Snakemake's lock behind; the next run on this host removes it once
 # the process that held it is gone (keyed outputs are published whole, so nothing half-written stays).
-if workflow.is_main_process and (message := clear_stale_lock() or active_run_line()):
+if workflow.is_main_process and (message := clear_stale_lock()):
+    print(message, file=sys.stderr)
+if workflow.is_main_process and (message := active_run_line()):
+    # a run stops here, before Snakemake's own lock error, whose advice (--unlock) would break the live run
+    if INVOCATION is not None and INVOCATION.executes and INVOCATION.lock:
+        sys.exit(message)
     print(message, file=sys.stderr)
 
 
@@ -96,6 +115,13 @@ onstart:
         # jobs would run elsewhere than their keys say
         check_run_start(CFG, CONFIG_SOURCE)
         check_run_deployment(CFG, DEPLOYMENT, SNAKEMAKE_DEPLOYMENT, CONFIG_SOURCE)
+        check_device(CFG, workflow.local_exec, CONFIG_SOURCE)
+        check_vllm(
+            CFG,
+            DEPLOYMENT,
+            {job.rule.name for job in workflow.dag.needrun_jobs()},
+            CONFIG_SOURCE,
+        )
     except ConfigError as error:
         sys.exit(f"mixquant: {error}")
     record_run_owner()
@@ -130,10 +156,13 @@ onsuccess:
 onerror:
     release_results_store(CFG.results_dir)
     release_run_owner()
-    for line in report_run_end(
-        CFG, HASH_CACHE, succeeded=False, deployment=DEPLOYMENT
-    ):
-        print(line, file=sys.stderr)
+    if INTERRUPT is not None and INTERRUPT.interrupted:
+        print(interrupted_line(log), file=sys.stderr)
+    else:
+        for line in report_run_end(
+            CFG, HASH_CACHE, succeeded=False, deployment=DEPLOYMENT
+        ):
+            print(line, file=sys.stderr)
 
 
 try:
@@ -212,6 +241,8 @@ def keyed_params(wildcards):
 # (minutes, doubled on each retry), disk_mb, gpu (numerics.device, kld.tensor_parallel_size) and nodes (1:
 # every job runs on one node). The profile adds partitions (its partition file) and cores.
 GEOMETRY = planning_geometry(CFG)
+if workflow.is_main_process and (message := geometry_missing_line(CFG)):
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def artifact_request(name, resource):
@@ -231,3 +262,23 @@ def keyed_request(resource):
 def conda_env(stage):
     """The stage's conda environment file (the stage registry's), relative to workflow/rules/."""
     return f"../../envs/{stage_env(stage, CFG.kld.engine)}.yaml"
+
+
+def job_name(rule, key):
+    """A job's name on the console (mixquant.console): its stage and what it makes, by its output's key."""
+    for graph in (ART, _PLACED.get("graph") or {}):
+        try:
+            return console_job_name(artifact_by_key(graph, key))
+        except KeyError:
+            continue
+    return rule
+
+
+# A run's console names each job in one line; Snakemake's full job blocks stay in its log file and in
+# `snakemake -n` (which `mixquant plan` reads).
+if (
+    workflow.is_main_process
+    and not workflow.output_settings.dryrun
+    and not workflow.output_settings.verbose
+):
+    quiet_console(snakemake_logger.handlers, job_name)

@@ -1,6 +1,6 @@
 # The release's four SHA-256 values (prompt token IDs, reference logits, hf_quant_config.json, the
-# safetensors index) re-derived and compared with config `published`: a content mismatch fails the
-# workflow, a numerical one (the logits) only under an equal or unknown numerics fingerprint.
+# safetensors index) re-derived and compared with config `published`: a content mismatch fails the workflow,
+# a numerical one only under an equal numerics fingerprint; an artifact made otherwise is "not comparable".
 
 
 rule verify_hashes:

@@ -7,6 +7,10 @@ from pathlib import Path
 # own sys.path, which it appends to a script's, must not supply another copy
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 
+from mixquant.interrupt import interrupt_to_log
+
+interrupt_to_log(snakemake.log[0])  # a Ctrl-C's traceback to the log, also during the imports
+
 from mixquant.model.run import run_fetch_model
 from mixquant.rulelog import rule_logging
 

@@ -17,12 +17,12 @@ Storage is safetensors only (``{"input_ids": int32 tensor}`` plus string metadat
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from mixquant.jsonio import temporary_beside
 from mixquant.keys.hashing import bytes_sha256
 
 INPUT_IDS_KEY = "input_ids"
@@ -86,7 +86,7 @@ def save_token_ids(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]
         raise ValueError(f"metadata: safetensors needs str keys and values; offending keys {bad!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)
     os.close(fd)
     try:
         save_file_sorted({INPUT_IDS_KEY: ids32}, tmp, metadata)

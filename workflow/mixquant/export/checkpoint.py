@@ -332,7 +332,7 @@ def write_safetensors(
     """
     header, ordered = safetensors_header(records, metadata)
     copier = _copier or _Copier()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides, as for open()
     try:
         _write_all(fd, header)
         for r in ordered:

@@ -33,6 +33,10 @@ class Artifact:
     preimage: dict[str, Any]
     settings: dict[str, Any]
     upstream: dict[str, str] = field(default_factory=dict)  # role -> artifact name
+    # What the artifact is made from: the key without code, packages and environment (only config slices,
+    # recursively); equal recipes, equal bytes for the content stages. `mixquant verify` compares a
+    # published hash only when the planned artifact's recipe is the one the hash was pinned with.
+    recipe: str = ""
 
     @property
     def done(self) -> bool:
@@ -92,8 +96,24 @@ class _Graph:
         settings = {**settings, "software": software.settings}
         preimage = stage_preimage(stage, config_slice, upstream_keys, software.packages, software.env)
         key = canonical_sha256(preimage)
+        recipe = canonical_sha256(
+            {
+                "stage": stage,
+                "config": config_slice,
+                "upstream": {
+                    role: self.artifacts[target].recipe for role, target in sorted(upstream.items())
+                },
+            }
+        )
         artifact = Artifact(
-            name, stage, key, keyed_path(self.cfg.results_dir, stage, key), preimage, settings, dict(upstream)
+            name,
+            stage,
+            key,
+            keyed_path(self.cfg.results_dir, stage, key),
+            preimage,
+            settings,
+            dict(upstream),
+            recipe,
         )
         self.artifacts[name] = artifact
         return artifact
@@ -583,14 +603,49 @@ def _kld_artifacts(graph: _Graph, placed: bool) -> None:
         graph.add("kld_verdict", "check_kld_gates", report_slice, report_slice, {"report": "kld_report"})
 
 
+# The config sections whose short hashes `published.made_from.settings` pins: those an artifact's recipe
+# can be made from (results_dir, software, published, expected and release never enter one).
+SETTINGS_SECTIONS = (
+    "model",
+    "tokenizer",
+    "dataset",
+    "calibration",
+    "prompt",
+    "placement",
+    "quantize",
+    "export",
+    "kld",
+    "numerics",
+)
+# The artifacts the published hashes are read from (mixquant.release.hashes.HASHERS).
+HASHED_ARTIFACTS = ("prompt", "reference_logits", "checkpoint")
+
+
+def settings_fingerprint(cfg: MixquantConfig) -> dict[str, str]:
+    """{config section: the first 16 hex of its canonical SHA-256} (``published.made_from.settings``)."""
+    document = cfg.model_dump(mode="json")
+    return {section: canonical_sha256(document[section])[:16] for section in SETTINGS_SECTIONS}
+
+
+def made_from(artifacts: dict[str, Artifact], cfg: MixquantConfig) -> dict[str, Any]:
+    """``published.made_from`` for this config's planned artifacts: the recipe of each artifact the
+    hashes are read from and the short hash of each config section (``mixquant verify --made-from``)."""
+    pins: dict[str, Any] = {name: artifacts[name].recipe for name in HASHED_ARTIFACTS if name in artifacts}
+    pins["settings"] = settings_fingerprint(cfg)
+    return pins
+
+
 def _verify_artifact(graph: _Graph) -> None:
     """verify_hashes: the published values and the keys of the prompt, the reference and the checkpoint.
 
-    ``published`` enters this key only: pinning a hash never moves an upstream stage.
+    ``published`` enters this key only: pinning a hash never moves an upstream stage. The planned recipes
+    (``made_from``) are settings, not key: the upstream keys decide them; the section hashes only name
+    what differs when a recipe is not the published one.
     """
+    planned = made_from(graph.artifacts, graph.cfg)
     published = {"published": graph.cfg.published.model_dump(mode="json")}
     upstream = {"prompt": "prompt", "reference_logits": "reference_logits", "checkpoint": "checkpoint"}
-    graph.add("verify", "verify_hashes", published, published, upstream)
+    graph.add("verify", "verify_hashes", published, {**published, "planned": planned}, upstream)
 
 
 def _release_artifact(graph: _Graph, placement: dict[int, str]) -> None:

@@ -215,6 +215,7 @@ STAGES: dict[str, StageSpec] = {
             (
                 "mixquant.release.bundle",
                 "mixquant.release.card",
+                "mixquant.release.serving",
                 "mixquant.release.recipe",
                 "mixquant.release.hashes",
                 "mixquant.kld.report",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mixquant.jsonio import temporary_beside
 from mixquant.kld.stats import percentiles
 
 if TYPE_CHECKING:
@@ -378,7 +378,7 @@ def _write_atomic(path: str | os.PathLike[str], write: Callable[[Any], None], mo
     """Write ``path`` through a same-directory temp file + ``os.replace``; the temp file never survives."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(out)
     try:
         kwargs = {"encoding": "utf-8", "newline": ""} if "b" not in mode else {}
         with os.fdopen(fd, mode, **kwargs) as handle:
@@ -482,16 +482,32 @@ def plot_kl_cdf(
     return _save(fig, out_path)
 
 
+ROLLING_POSITIONS = 64  # the per-position plot's rolling mean: ~30 windows along a 2,048-token prompt
+
+
+def _rolling_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """The mean of the finite values among the ``window`` positions centred on each position (NaN where
+    there are none)."""
+    finite = np.isfinite(x)
+    kernel = np.ones(max(1, window))
+    sums = np.convolve(np.where(finite, x, 0.0), kernel, mode="same")
+    counts = np.convolve(finite.astype(float), kernel, mode="same")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
 def plot_per_position(
     curves: Mapping[str, torch.Tensor],
     out_path: str | os.PathLike[str],
     *,
     title: str = "Per-position KL(BF16 || candidate) along the prompt",
 ) -> Path:
-    """Per-position KL along the prompt, one line per named curve (same length not required).
+    """Per-position KL along the prompt, per named curve (same length not required): each position faintly
+    and its rolling mean over ``ROLLING_POSITIONS`` positions as the line to read (a few thousand noisy
+    points of several curves are unreadable on their own).
 
     y is log when every finite value is positive, symlog when some are 0, linear when none is positive;
-    ``inf`` values are not drawn but counted in the legend.
+    ``inf`` values are not drawn (nor averaged) but counted in the legend.
     """
     data = _curves_np(curves)
     finite = np.concatenate([x[np.isfinite(x)] for x in data.values()])
@@ -510,8 +526,18 @@ def plot_per_position(
         infs = int(np.isinf(x).sum())
         shown = np.where(np.isinf(x), np.nan, x)
         label = name + (f" ({infs} inf)" if infs else "")
-        ax.plot(np.arange(x.size), shown, linewidth=0.8, alpha=0.85, label=label)
-    ax.set_xlabel("prompt position t (predicting token t + 1)")
+        (points,) = ax.plot(np.arange(x.size), shown, linewidth=0.5, alpha=0.25)
+        window = min(ROLLING_POSITIONS, x.size)
+        ax.plot(
+            np.arange(x.size),
+            _rolling_mean(shown, window),
+            linewidth=1.6,
+            color=points.get_color(),
+            label=label,
+        )
+    ax.set_xlabel(
+        f"prompt position t (predicting token t + 1); lines: mean over {ROLLING_POSITIONS} positions"
+    )
     ax.set_ylabel(f"KL (nats, {scale} scale)")
     ax.set_title(title)
     ax.grid(True, which="major", alpha=0.35)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Any
 
+from mixquant.jsonio import temporary_beside
 from mixquant.keys.hashing import bytes_sha256, file_sha256, require_sha256_hex
 
 SOURCE_FILE = "model_source.json"
@@ -61,7 +62,7 @@ def _load_cache(cache_path: Path | None) -> dict[str, dict[str, Any]]:
 
 def _save_cache(cache_path: Path, cache: dict[str, dict[str, Any]]) -> None:
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=".hash-cache-", suffix=".json")
+    fd, tmp = temporary_beside(cache_path)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(cache, handle, indent=1, sort_keys=True)
     os.replace(tmp, cache_path)
@@ -147,14 +148,37 @@ def fetch_hub_model(repo: str, revision: str, out_dir: str | Path) -> dict:
     """
     revision = require_pinned_revision(revision)
     from huggingface_hub import snapshot_download  # lazy: only real-model runs need the Hub client
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     out_dir = Path(out_dir)
     local = out_dir / "model"
-    snapshot_download(repo, revision=revision, local_dir=str(local))
+    try:
+        snapshot_download(repo, revision=revision, local_dir=str(local))
+    except LocalEntryNotFoundError as error:  # no Hub (offline, no network) and nothing in local_dir
+        # a download into local_dir never looks in the Hugging Face cache: take the revision from there
+        try:
+            cached = snapshot_download(repo, revision=revision, local_files_only=True)
+        except OSError:
+            raise OSError(hub_unreachable_line(repo, revision, error)) from error
+        shutil.copytree(cached, local, dirs_exist_ok=True)  # the cache's symlinks copied as files
     files = local_dir_identity(local)
     # relative to the artifact directory: out_dir is renamed into place after this returns
     source = {"kind": "hub", "repo": repo, "revision": revision, "path": local.name, "files": files}
     return _write_source(out_dir, source)
+
+
+def hub_unreachable_line(repo: str, revision: str, error: BaseException) -> str:
+    """One line for a Hub download that found neither the Hub nor the revision in the local cache: the repo,
+    the revision, why (the client's first line), and both ways out."""
+    from huggingface_hub import constants
+
+    reason = (str(error).splitlines() or [type(error).__name__])[0].removeprefix("Got: ")
+    return (
+        f"model.hub: cannot download {repo} at revision {revision} from {constants.ENDPOINT} ({reason}): "
+        "run where the Hub is reachable, or offline with HF_HUB_OFFLINE=1 and that revision in the "
+        f"Hugging Face cache at {constants.HF_HUB_CACHE} (`hf download {repo} --revision {revision}` "
+        "on a machine with network, with the same HF_HOME)"
+    )
 
 
 def resolve_model_dir(artifact_dir: str | Path) -> Path:

@@ -56,12 +56,13 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mixquant.jsonio import temporary_beside
 
 __all__ = [
     "ATTENTION_STATS",
@@ -400,7 +401,7 @@ def save_activation_stats(stats: dict, out_dir: Path) -> None:
 
 
 def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)
     os.close(fd)
     try:
         write(tmp)

@@ -15,17 +15,18 @@ beside ``repo/``, the directory to publish -- only what a model repository holds
     quantization_recipe.yaml                      the resolved config + the placement: replays the build
     kld/<candidate>.<kv dtype>.json               gate_kld's aggregate per candidate x KV-cache dtype
     reference/logits.safetensors, reference.json  the BF16 reference logits and their record
+    reference/prompt.safetensors                  the pinned prompt's token IDs the logits belong to
     numerics.json                                 the decisive numerics fingerprint they were made under
     README.md                                     the model card (mixquant.release.card)
 
 Checkpoint files are hardlinked where the file system allows (the keyed directories are immutable, so
 sharing inodes is safe and a 92 GB checkpoint is not copied), else copied.
 
-The reference logits ship because their hash is a numerical one (mixquant.release.hashes): on a machine
-whose numerics fingerprint differs they do not reproduce bit for bit, and ``mixquant verify --against
-RELEASE`` then says how close they are. numerics.json holds only the fingerprint's decisive part (what
-config ``published.numerics`` takes); its host part (CPU model, ...) goes to the log, so the release of
-a rerun elsewhere under the same fingerprint is the same.
+The reference logits ship, with the prompt's token IDs they belong to, because their hash is a numerical
+one (mixquant.release.hashes): on a machine whose numerics fingerprint differs they do not reproduce bit
+for bit, and ``mixquant verify --against RELEASE`` then says how close they are. numerics.json holds
+only the fingerprint's decisive part (what config ``published.numerics`` takes); its host part (CPU model,
+...) goes to the log, so the release of a rerun elsewhere under the same fingerprint is the same.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def run_assemble_release(
     from mixquant.release.card import CardInputs, model_card
     from mixquant.release.hashes import (
         NUMERICS_JSON,
+        PROMPT_FILE,
         RELEASE_REFERENCE_DIR,
         recorded_numerics,
         reference_document,
@@ -171,7 +173,8 @@ def run_assemble_release(
     if unknown:
         raise ReleaseInputError(f"assemble_release: unexpected input {unknown[0]!r}")
     reference_dir = _keyed_dir(reference, "reference_logits")
-    hashes = release_hashes(_keyed_dir(prompt, "pin_prompt"), reference_dir, checkpoint_dir)
+    prompt_dir = _keyed_dir(prompt, "pin_prompt")
+    hashes = release_hashes(prompt_dir, reference_dir, checkpoint_dir)
     reference_doc = reference_document(reference_dir)
     numerics = recorded_numerics(reference_doc)
     if numerics is None:
@@ -192,6 +195,7 @@ def run_assemble_release(
     extra += [gate_file_name(doc["candidate"], doc["kv_cache_dtype"]) for _, doc in gate_docs]
     shipped_reference = [
         f"{RELEASE_REFERENCE_DIR}/{LOGITS_FILE}",
+        f"{RELEASE_REFERENCE_DIR}/{PROMPT_FILE}",
         f"{RELEASE_REFERENCE_DIR}/{REFERENCE_JSON}",
     ]
     extra += [NUMERICS_JSON, *shipped_reference]
@@ -208,6 +212,9 @@ def run_assemble_release(
         model_type=model_config.get("model_type"),
         files=sorted(files + extra),
         numerics=numerics,
+        weight_bytes=sum(
+            (checkpoint_dir / name).stat().st_size for name in files if name.endswith(".safetensors")
+        ),
     )
     card = model_card(inputs)
     header = [
@@ -230,6 +237,7 @@ def run_assemble_release(
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(gates[role]) / AGGREGATE_JSON, target)
         link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
+        link_or_copy(prompt_dir / PROMPT_FILE, tmp / RELEASE_REFERENCE_DIR / PROMPT_FILE)
         (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
             _json_text(shipped_reference_document(reference_doc)), encoding="utf-8"
         )

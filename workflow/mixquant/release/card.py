@@ -16,10 +16,38 @@ from typing import Any
 
 import yaml
 
+from mixquant.export.inspect import QUANT_CONFIG_FILE
 from mixquant.export.predict import ROUTED_FORMAT_BITS as FORMAT_BITS
-from mixquant.release.hashes import HASH_KINDS, HASH_NAMES, NUMERICS_JSON, numerics_text
+from mixquant.export.predict import routed_effective_bits
+from mixquant.kld.run import LOGITS_FILE
+from mixquant.model.layout import INDEX_FILE
+from mixquant.release.hashes import (
+    HASH_KINDS,
+    HASH_NAMES,
+    NUMERICS_JSON,
+    PROMPT_FILE,
+    RELEASE_REFERENCE_DIR,
+    numerics_text,
+)
+from mixquant.release.serving import serving_section
 
 FORMAT_LABELS = {"nvfp4_w4a16": "NVFP4 W4A16", "fp8": "FP8 W8A8", "bf16": "BF16"}
+# The Hub library of ModelOpt checkpoints, as NVIDIA's own declare it (e.g. nvidia/Llama-3.1-8B-Instruct-FP4:
+# `library_name: Model Optimizer`). Not transformers: its AutoModelForCausalLM refuses a ModelOpt
+# MIXED_PRECISION checkpoint ("Unknown quantization type, got modelopt"); vLLM serves it.
+LIBRARY_NAME = "Model Optimizer"
+# Where the release ships the file each published hash is computed from (paths inside repo/).
+SHIPPED_HASH_FILES = {
+    "prompt_token_ids": f"{RELEASE_REFERENCE_DIR}/{PROMPT_FILE}",
+    "reference_logits": f"{RELEASE_REFERENCE_DIR}/{LOGITS_FILE}",
+    "quant_config": QUANT_CONFIG_FILE,
+    "safetensors_index": INDEX_FILE,
+}
+FILE_NOTES = {
+    SHIPPED_HASH_FILES["prompt_token_ids"]: "the pinned prompt's token IDs (`input_ids`, int32), which the "
+    "reference logits belong to",
+    SHIPPED_HASH_FILES["reference_logits"]: "the BF16 model's logits at each prompt position (float32)",
+}
 HASH_LABELS = {
     "prompt_token_ids": "prompt token IDs",
     "reference_logits": "BF16 reference logits",
@@ -44,6 +72,7 @@ class CardInputs:
     model_type: str | None = None  # config.json model_type
     files: Sequence[str] = ()  # the bundle's files (besides README.md)
     numerics: Mapping[str, Any] | None = None  # the reference logits' decisive numerics fingerprint
+    weight_bytes: int | None = None  # the checkpoint's *.safetensors files, in bytes on disk
 
 
 # ------------------------------------------------------------------------------------------ naming
@@ -65,8 +94,8 @@ def source_model(recipe: Mapping[str, Any]) -> dict[str, Any]:
             "kind": "toy",
             "repo": None,
             "revision": None,
-            "text": f"the embedded toy Laguna shipped in `{model['local']['path']}` (content-pinned; made by "
-            "`build_toy_model`, regenerated with `mixquant build-toy`)",
+            "text": "mixquant's embedded toy Laguna (a tiny model that ships with mixquant, identified by "
+            "the content hashes of its files)",
         }
     if model["source"] == "local":
         return {
@@ -79,14 +108,16 @@ def source_model(recipe: Mapping[str, Any]) -> dict[str, Any]:
         "kind": "toy",
         "repo": None,
         "revision": None,
-        "text": "the embedded toy Laguna, built and trained by the workflow (`build_toy_model`)",
+        "text": "mixquant's embedded toy Laguna, built and trained by the workflow",
     }
 
 
 def release_name(recipe: Mapping[str, Any], counts: Mapping[str, int]) -> str:
-    """``release.name`` or '<source>-MixQuant-<n>xNVFP4-<n>xFP8-<n>xBF16'."""
+    """``release.name``, the name part of ``release.repo_id``, or '<source>-MixQuant-<n>xNVFP4-<n>xFP8'."""
     if recipe["release"].get("name"):
         return str(recipe["release"]["name"])
+    if recipe["release"].get("repo_id"):
+        return str(recipe["release"]["repo_id"]).split("/")[-1]
     source = source_model(recipe)
     base = source["repo"].split("/")[-1] if source["repo"] else f"{source['kind']}-laguna"
     mix = "-".join(f"{counts[fmt]}x{FORMAT_LABELS[fmt].split()[0]}" for fmt in FORMAT_BITS if counts.get(fmt))
@@ -112,7 +143,7 @@ def front_matter(inputs: CardInputs, name: str) -> dict[str, Any]:
         meta["license_name"] = release["license_name"]
     if release.get("license_link"):
         meta["license_link"] = release["license_link"]
-    meta["library_name"] = "transformers"
+    meta["library_name"] = LIBRARY_NAME
     tags = ["mixquant", "modelopt", "quantized", "mixed-precision", "moe"]
     tags += [tag for fmt, tag in (("nvfp4_w4a16", "nvfp4"), ("fp8", "fp8")) if counts.get(fmt)]
     if inputs.model_type:
@@ -214,6 +245,48 @@ def released_candidates(recipe: Mapping[str, Any]) -> list[str]:
     return [c["name"] for c in recipe["kld"]["candidates"] if c["source"] == "searched"]
 
 
+def candidate_bits(inputs: CardInputs, gate: Mapping[str, Any]) -> float | None:
+    """Routed-expert effective bits of a gate's candidate: this checkpoint's (searched), the format's
+    (uniform, bf16), else from the layer formats of the checkpoint the KLD engine loaded, each MoE layer
+    weighted by its expert count (None when the engine recorded none: an external checkpoint)."""
+    spec = next((c for c in inputs.recipe["kld"]["candidates"] if c["name"] == gate["candidate"]), None)
+    source = spec["source"] if spec else gate.get("source")
+    if source == "searched":
+        return float(inputs.inspection["routed_effective_bits"])
+    if source == "bf16":
+        return float(FORMAT_BITS["bf16"])
+    if source == "uniform" and spec is not None:
+        return float(FORMAT_BITS[spec["format"]])
+    formats = ((gate.get("engine") or {}).get("checkpoint") or {}).get("layer_formats") or {}
+    if not formats or any(fmt not in FORMAT_BITS for fmt in formats.values()):
+        return None
+    experts = inputs.inspection.get("experts_per_layer") or {}
+    return routed_effective_bits(
+        {int(layer): int(experts.get(str(layer), 1)) for layer in formats},
+        {int(layer): fmt for layer, fmt in formats.items()},
+    )
+
+
+def _bits_text(bits: float | None) -> str:
+    return "—" if bits is None else f"{bits:.4f}".rstrip("0").rstrip(".")
+
+
+def _with_bits_column(table: str, bits: Sequence[str]) -> list[str]:
+    """The KLD comparison table with a ``bits`` column after its candidate and KV-cache columns."""
+    header, rule, *rows = table.rstrip("\n").splitlines()
+    if not header.startswith("| candidate | KV cache |") or len(rows) != len(bits):
+        raise ValueError("KLD table: not the comparison table of mixquant.kld.report")
+    rule_cells = rule.split("|")
+    lines = [
+        header.replace("| KV cache |", "| KV cache | bits |", 1),
+        "|".join([*rule_cells[:3], "---:", *rule_cells[3:]]),
+    ]
+    for row, value in zip(rows, bits, strict=True):
+        first, second, rest = row.split(" | ", 2)
+        lines.append(f"{first} | {second} | {value} | {rest}")
+    return lines
+
+
 def _kld_section(inputs: CardInputs) -> list[str]:
     from mixquant.kld.report import comparison_table, table_markdown
 
@@ -242,6 +315,8 @@ def _kld_section(inputs: CardInputs) -> list[str]:
             if baseline
             else ""
         )
+        + " bits: the candidate's routed-expert effective bits (numel-weighted; BF16 counts 16); compare "
+        "KLD at equal bits."
     )
     highlights = []
     for name in released:
@@ -250,13 +325,15 @@ def _kld_section(inputs: CardInputs) -> list[str]:
                 continue
             imp = g["improvement"]
             highlights += [
-                f"- **{name}** (this checkpoint), {g['kv_cache_dtype']} KV cache: mean KLD "
+                f"- **{name}** (this checkpoint, {_bits_text(candidate_bits(inputs, g))} bits), "
+                f"{g['kv_cache_dtype']} KV cache: mean KLD "
                 f"{g['aggregate']['mean_kld']:.6g}, {_pct(imp['reduction'])} below `{baseline}` "
                 f"[{_pct(imp['ci_low'])}, {_pct(imp['ci_high'])}]",
             ]
     if highlights:
         lines += ["", *highlights]
-    lines += ["", table_markdown(comparison_table(rows)).rstrip("\n")]
+    bits = [_bits_text(candidate_bits(inputs, g)) for g in inputs.gates]
+    lines += ["", *_with_bits_column(table_markdown(comparison_table(rows)), bits)]
     return lines
 
 
@@ -269,7 +346,7 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
     source = source_model(recipe)
     producer = inputs.producer
     lines = ["## Provenance", ""]
-    lines.append(f"- Source model: {source['text']} (mixquant key `{inputs.keys['model']}`).")
+    lines.append(f"- Source model: {source['text']}; mixquant key `{inputs.keys['model']}`.")
     tokenizer = recipe["tokenizer"]
     if tokenizer["source"] == "hub":
         lines.append(
@@ -288,9 +365,8 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
     )
     lines.append(
         f"- Produced by mixquant {producer.get('version')} with ModelOpt (nvidia-modelopt) "
-        f"{_modelopt_version(producer)} numerics; checkpoint key `{inputs.keys['checkpoint']}` "
-        "(its manifest.json holds the full key preimage: settings, upstream keys, code identity, package "
-        "versions)."
+        f"{_modelopt_version(producer)} numerics; checkpoint key `{inputs.keys['checkpoint']}` (a hash of "
+        "every setting, upstream key, code identity and package version it was built from)."
     )
     if recipe["placement"].get("recipe"):
         lines.append(f"- Placement settings mirror the ModelOpt recipe `{recipe['placement']['recipe']}`.")
@@ -303,7 +379,12 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
             f"- Numerics fingerprint of the BF16 reference logits (`{NUMERICS_JSON}`, shipped with them in "
             f"`reference/`): {numerics_text(inputs.numerics)}."
         )
-    lines += ["", "SHA-256 (re-derived from the workflow's outputs, as `mixquant verify` does):", ""]
+    lines += [
+        "",
+        "SHA-256 of the files shipped here, each in its encoding (re-derived from the workflow's outputs, as "
+        "`mixquant verify` does):",
+        "",
+    ]
     lines += ["| what | kind | SHA-256 | file | encoding |", "|:---|:---|:---|:---|:---|"]
     published = recipe.get("published") or {}
     for name, record in inputs.hashes.items():
@@ -312,9 +393,10 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
             "" if pinned is None else (" (= published)" if pinned == record["sha256"] else " (≠ published)")
         )
         kind = record.get("kind") or HASH_KINDS.get(name, "—")
+        shipped = SHIPPED_HASH_FILES.get(name, record["artifact"]["file"])
         lines.append(
-            f"| {HASH_LABELS.get(name, name)} | {kind} | `{record['sha256']}`{note} | "
-            f"{record['artifact']['stage']}/{record['artifact']['file']} | {record['encoding']} |"
+            f"| {HASH_LABELS.get(name, name)} | {kind} | `{record['sha256']}`{note} | `{shipped}` | "
+            f"{record['encoding']} |"
         )
     lines += [
         "",
@@ -328,59 +410,12 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
 
 def _dataset_text(dataset: Mapping[str, Any]) -> str:
     if dataset["source"] == "local":
-        return f"`{dataset['local']['path']}` (SHA-256 `{dataset['local']['sha256'][:16]}…`)"
+        return f"a local dataset file (SHA-256 `{dataset['local']['sha256']}`)"
     members = [
         f"`{m['repo']}`" + (f"@`{m['revision'][:12]}`" if m.get("revision") else " (unpinned)")
         for m in dataset["hub"]
     ]
     return ", ".join(members)
-
-
-def serve_commands(recipe: Mapping[str, Any], model_id: str) -> list[str]:
-    """``vllm serve`` with every numerics-deciding flag pinned, one per gated KV-cache dtype.
-
-    No ``--quantization``: vLLM detects ModelOpt checkpoints from hf_quant_config.json / config.json's
-    quantization_config (the KLD engine loads them the same way); ``--kv-cache-dtype`` is always explicit
-    ("auto" would adopt the checkpoint's FP8 KV scales), with the mapping the vllm engine pins.
-    """
-    from mixquant.kld.engines import VLLM_KV_CACHE_DTYPES
-
-    kld = recipe["kld"]
-    commands = []
-    for kv in kld["kv_cache_dtypes"]:
-        flags = [
-            f"--tensor-parallel-size {kld['tensor_parallel_size']}",
-            f"--dtype {kld['dtype']}",
-            f"--kv-cache-dtype {VLLM_KV_CACHE_DTYPES[kv]}",
-        ]
-        if kld.get("max_model_len"):
-            flags.append(f"--max-model-len {kld['max_model_len']}")
-        commands.append(f"vllm serve {model_id} \\\n    " + " \\\n    ".join(flags))
-    return commands
-
-
-def _serving_section(inputs: CardInputs, name: str) -> list[str]:
-    counts = inputs.inspection["placement_counts"]
-    lines = ["## Serving with vLLM", ""]
-    lines.append(
-        "vLLM reads ModelOpt `MIXED_PRECISION` checkpoints from `hf_quant_config.json` (NVFP4 W4A16 experts "
-        "via Marlin; layers the file does not list load as BF16) and picks `modelopt_mixed` itself, so "
-        "no `--quantization` flag is needed (vLLM 0.33 has no `--quantization auto`: leaving the flag "
-        "out is its auto-detection). "
-        "Always pass `--kv-cache-dtype`: `auto` follows the checkpoint and would silently change the KV "
-        "cache."
-    )
-    for kv, command in zip(
-        inputs.recipe["kld"]["kv_cache_dtypes"], serve_commands(inputs.recipe, name), strict=True
-    ):
-        lines += ["", f"{kv} KV cache (as gated above):", "", "```bash", command, "```"]
-    if counts.get("fp8"):
-        lines += [
-            "",
-            "Some vLLM versions reject FP8 MoE layers under the B12X (SM120/121) W4A16 expert path; "
-            "serve on a backend that accepts FP8 experts.",
-        ]
-    return lines
 
 
 def _status_section(inputs: CardInputs) -> list[str]:
@@ -433,7 +468,7 @@ def _published_numerics_lines(inputs: CardInputs) -> list[str]:
     differences = fingerprint_differences({"decisive": dict(inputs.numerics)}, {"decisive": pinned})
     if not differences:
         return ["- Published numerics fingerprint (`published.numerics`): equal to this release's."]
-    fields = ", ".join(f"`{difference.split(':', 1)[0]}`" for difference in differences)
+    fields = ", ".join(_fingerprint_field(difference.split(":", 1)[0]) for difference in differences)
     return [
         f"- Published numerics fingerprint (`published.numerics`): differs in {fields}; this release's "
         "reference logits were made under other numerics than the published ones, so they are not "
@@ -441,9 +476,17 @@ def _published_numerics_lines(inputs: CardInputs) -> list[str]:
     ]
 
 
+def _fingerprint_field(field: str) -> str:
+    """A fingerprint field as the card names it: a library's version by the library's name."""
+    library = field.removeprefix("libraries.")
+    return f"`{field}`" if library == field else f"the `{library}` version"
+
+
 def _files_section(inputs: CardInputs) -> list[str]:
     lines = ["## Files", ""]
-    lines += [f"- `{name}`" for name in inputs.files]
+    lines += [
+        f"- `{name}`" + (f": {FILE_NOTES[name]}" if name in FILE_NOTES else "") for name in inputs.files
+    ]
     return lines
 
 
@@ -463,7 +506,7 @@ def model_card(inputs: CardInputs) -> str:
         [f"# {name}", "", intro],
         _placement_section(inputs),
         _kld_section(inputs),
-        _serving_section(inputs, name),
+        serving_section(inputs.recipe, inputs.inspection, inputs.gates, inputs.weight_bytes, name),
         _provenance_section(inputs),
         _status_section(inputs),
         _files_section(inputs),

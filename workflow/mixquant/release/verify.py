@@ -1,8 +1,16 @@
 """Compare the release's four re-derived hashes with the published ones (``mixquant verify``, verify_hashes).
 
-Per hash the status is ``match``, ``mismatch`` (expected, got, the artifact file and its encoding) or
-``not pinned`` (no published value), and the kind is ``content`` or ``numerical``
+Per hash the status is ``match``, ``mismatch`` (expected, got, the artifact file and its encoding),
+``not pinned`` (no published value) or ``not comparable``, and the kind is ``content`` or ``numerical``
 (:data:`mixquant.release.hashes.HASH_KINDS`).
+
+A published hash belongs to what was published: config ``published.made_from`` pins, beside the hashes,
+the recipe of each artifact they were read from (:attr:`mixquant.keys.artifacts.Artifact.recipe`: the
+key without code and package versions) and a short hash of each config section. When the planned
+artifact's recipe is another one (an experiment: another budget, more calibration samples), its hashes
+differ by construction: they are ``not comparable``, reported with the config sections that differ from
+the published ones, and pass; ``mixquant verify --strict`` (or ``published.strict``) fails on them.
+``mixquant verify --made-from`` prints the block to pin for the config's own artifacts.
 
 The policy (:meth:`VerifyReport.failures`). A content mismatch always fails: the same code on the same
 inputs writes the same token IDs and JSON bytes on every machine. A numerical mismatch (the reference
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from mixquant.jsonio import diff_values
+from mixquant.keys.artifacts import SETTINGS_SECTIONS
 from mixquant.keys.hashing import is_sha256_hex, require_sha256_hex
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.numerics import fingerprint_differences
@@ -52,7 +61,7 @@ from mixquant.release.hashes import (
 log = logging.getLogger(__name__)
 
 VERIFY_JSON = "verify.json"
-MATCH, MISMATCH, NOT_PINNED = "match", "mismatch", "not pinned"
+MATCH, MISMATCH, NOT_PINNED, NOT_COMPARABLE = "match", "mismatch", "not pinned", "not comparable"
 EQUAL, DIFFERENT, UNKNOWN = "equal", "different", "unknown"  # our numerics fingerprint vs the published one
 NOT_REPRODUCIBLE = "not reproducible bit for bit here"
 # The artifact each hash is read from, as `mixquant.keys.artifacts` names it.
@@ -169,15 +178,23 @@ class VerifyReport:
             return []
         return [check for check in self.mismatches if check.kind == NUMERICAL]
 
+    @property
+    def not_comparable(self) -> list[HashCheck]:
+        """Hashes of an artifact made from other settings than the published one (they cannot match)."""
+        return [check for check in self.checks if check.status == NOT_COMPARABLE]
+
     def failures(self, strict: bool = False) -> list[HashCheck]:
-        """The mismatches that fail: every one with `strict`, else all but :attr:`not_reproducible`."""
-        excused = [] if strict else [check.name for check in self.not_reproducible]
+        """What fails: with `strict` every mismatch and every not comparable hash, else the mismatches
+        but :attr:`not_reproducible`."""
+        if strict:
+            return self.mismatches + self.not_comparable
+        excused = [check.name for check in self.not_reproducible]
         return [check for check in self.mismatches if check.name not in excused]
 
     @property
     def ok(self) -> bool:
-        """Nothing mismatches: every pinned hash reproduced bit for bit (what ``--strict`` asks)."""
-        return not self.mismatches
+        """Every pinned hash compared and reproduced bit for bit (what ``--strict`` asks)."""
+        return not self.mismatches and not self.not_comparable
 
     @property
     def passed(self) -> bool:
@@ -185,13 +202,16 @@ class VerifyReport:
         return not self.failures()
 
     def to_json(self) -> dict[str, Any]:
+        counts = {
+            status: sum(c.status == status for c in self.checks) for status in (MATCH, MISMATCH, NOT_PINNED)
+        }
+        if self.not_comparable:  # present when any: the published release's own artifacts have none
+            counts[NOT_COMPARABLE] = len(self.not_comparable)
         return {
             "ok": self.ok,
             "passed": self.passed,
-            "counts": {
-                status: sum(c.status == status for c in self.checks)
-                for status in (MATCH, MISMATCH, NOT_PINNED)
-            },
+            "counts": counts,
+            "not_comparable": {check.name: check.note for check in self.not_comparable},
             "mismatches": {
                 kind: [c.name for c in self.mismatches if c.kind == kind] for kind in (CONTENT, NUMERICAL)
             },
@@ -206,7 +226,7 @@ def published_values(published: Mapping[str, Any] | Any) -> dict[str, str | None
     """{hash name: published SHA-256 or None} from config ``published`` (a model or a dict)."""
     if not isinstance(published, Mapping):
         published = published.model_dump(mode="json")
-    unknown = sorted(set(published) - set(HASH_NAMES) - {"numerics"})
+    unknown = sorted(set(published) - set(HASH_NAMES) - {"numerics", "made_from", "strict"})
     if unknown:
         raise ValueError(f"published: unknown hash {unknown[0]!r} (known: {', '.join(HASH_NAMES)})")
     values = {}
@@ -231,30 +251,77 @@ def published_numerics(published: Mapping[str, Any] | Any) -> dict[str, Any] | N
     return dict(value)
 
 
+def published_made_from(published: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """Config ``published.made_from`` as a dict ({} when not pinned: every pinned hash is compared)."""
+    if not isinstance(published, Mapping):
+        published = published.model_dump(mode="json")
+    return dict(published.get("made_from") or {})
+
+
+def published_strict(published: Mapping[str, Any] | Any) -> bool:
+    """Config ``published.strict``: verify_hashes fails as ``mixquant verify --strict`` does."""
+    if not isinstance(published, Mapping):
+        published = published.model_dump(mode="json")
+    return bool(published.get("strict"))
+
+
+def comparability(pinned: Mapping[str, Any], planned: Mapping[str, Any] | None, source: str) -> str | None:
+    """Why the hashes of artifact `source` cannot match the published ones (one phrase), None if they can.
+
+    Comparable unless both the published and the planned recipe of `source` are known and differ; the
+    reason names the config sections whose short hashes differ from ``made_from.settings``.
+    """
+    want, got = pinned.get(source), (planned or {}).get(source)
+    if want is None or got is None or want == got:
+        return None
+    ours, theirs = (planned or {}).get("settings") or {}, pinned.get("settings") or {}
+    differing = [
+        section for section in SETTINGS_SECTIONS if section in theirs and theirs[section] != ours.get(section)
+    ]
+    what = (
+        f"differs from the published config in {', '.join(differing)}"
+        if differing
+        else "the config sections are the published ones: the producer's version or a derived input differs"
+    )
+    return (
+        f"the {source} ({SOURCE_ARTIFACTS[source]}) is made from other settings than the published one: "
+        f"{what} (recipe {got[:12]}, published {want[:12]})"
+    )
+
+
 def check_hashes(
     published: Mapping[str, Any] | Any,
     *,
     prompt: str | Path,
     reference_logits: str | Path,
     checkpoint: str | Path,
+    planned: Mapping[str, Any] | None = None,
 ) -> list[HashCheck]:
     """One :class:`HashCheck` per hash, in :data:`HASH_NAMES` order.
 
-    A missing source file is an error (:class:`HashSourceError`) for a pinned hash; an unpinned one is
-    reported ``not pinned`` with a note (an all-BF16 export writes no hf_quant_config.json).
+    `planned` is :func:`made_from` of the artifacts given: a pinned hash whose artifact is made from
+    another recipe than ``published.made_from`` names is ``not comparable`` (:func:`comparability`).
+    A missing source file is an error (:class:`HashSourceError`) for a pinned, comparable hash; otherwise
+    the hash is reported with a note (an all-BF16 export writes no hf_quant_config.json).
     """
     expected = published_values(published)
+    pinned = published_made_from(published)
     dirs = {"prompt": prompt, "reference_logits": reference_logits, "checkpoint": checkpoint}
     checks = []
     for name in HASH_NAMES:
         want = expected[name]
         function, source = HASHERS[name]
+        reason = None if want is None else comparability(pinned, planned, source)
         try:
             record = function(dirs[source])
         except HashSourceError as error:
-            if want is not None:
+            if want is not None and reason is None:
                 raise
-            checks.append(HashCheck(name, NOT_PINNED, None, None, note=str(error)))
+            status = NOT_PINNED if want is None else NOT_COMPARABLE
+            checks.append(HashCheck(name, status, want, None, note=reason or str(error)))
+            continue
+        if reason is not None:
+            checks.append(HashCheck(name, NOT_COMPARABLE, want, record, note=reason))
             continue
         status = NOT_PINNED if want is None else MATCH if record.sha256 == want else MISMATCH
         checks.append(HashCheck(name, status, want, record))
@@ -278,16 +345,20 @@ def verdict_line(report: VerifyReport, strict: bool = False) -> str:
     """'passed', 'passed: ... not reproducible bit for bit here (...)' or 'FAILED: <reasons>' (one line)."""
     failures = report.failures(strict)
     if not failures:
-        excused = report.not_reproducible
-        if not excused:
+        notes = []
+        if report.not_reproducible:
+            names = ", ".join(c.name for c in report.not_reproducible)
+            notes.append(f"{names} {NOT_REPRODUCIBLE} ({report.numerics.note})")
+        if report.not_comparable:
+            notes.append(_not_comparable_text(report.not_comparable))
+        if not notes:
             return "passed"
-        return (
-            f"passed: {', '.join(c.name for c in excused)} {NOT_REPRODUCIBLE} ({report.numerics.note}); "
-            "--strict fails on it"
-        )
+        return f"passed: {'; '.join(notes)}; --strict fails on it"
     reasons = []
-    content = [c.name for c in failures if c.kind == CONTENT]
-    numerical = [c.name for c in failures if c.kind == NUMERICAL]
+    if strict and report.not_comparable:
+        reasons.append(f"--strict: {_not_comparable_text(report.not_comparable)}")
+    content = [c.name for c in failures if c.kind == CONTENT and c.status == MISMATCH]
+    numerical = [c.name for c in failures if c.kind == NUMERICAL and c.status == MISMATCH]
     if content:
         reasons.append(f"content mismatch: {', '.join(content)}")
     if numerical and strict and report.numerics.status == DIFFERENT:
@@ -295,6 +366,14 @@ def verdict_line(report: VerifyReport, strict: bool = False) -> str:
     elif numerical:
         reasons.append(f"numerical mismatch: {', '.join(numerical)} ({report.numerics.note})")
     return "FAILED: " + "; ".join(reasons)
+
+
+def _not_comparable_text(checks: list[HashCheck]) -> str:
+    """'quant_config, safetensors_index not comparable: <reason>' (one reason per artifact, in order)."""
+    by_reason: dict[str, list[str]] = {}
+    for check in checks:
+        by_reason.setdefault(check.note or "", []).append(check.name)
+    return "; ".join(f"{', '.join(names)} {NOT_COMPARABLE}: {reason}" for reason, names in by_reason.items())
 
 
 # -------------------------------------------------------------------------- how close are the logits
@@ -450,8 +529,12 @@ def verify_dirs(
     checkpoint: str | Path,
     results_dir: str | Path | None = None,
     against: str | Path | None = None,
+    planned: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Re-derive the four hashes from the given keyed directories and compare them with `published`.
+
+    `planned`: :func:`made_from` of the artifacts the directories hold (None: every pinned hash is
+    compared, as without ``published.made_from``).
 
     Our numerics fingerprint (reference.json's) is compared with ``published.numerics``. With
     `results_dir` (or `against`), a reference-logits mismatch also gets :func:`compare_reference_logits`;
@@ -459,7 +542,7 @@ def verify_dirs(
     (their hash is the published one) stands in for it.
     """
     dirs = {"prompt": prompt, "reference_logits": reference_logits, "checkpoint": checkpoint}
-    report = VerifyReport(check_hashes(published, **dirs))
+    report = VerifyReport(check_hashes(published, **dirs, planned=planned))
     ours = recorded_numerics(reference_document(reference_logits))
     theirs = published_numerics(published)
     report.numerics = NumericsCheck(ours, theirs, "published.numerics" if theirs is not None else None)
@@ -481,8 +564,10 @@ def verify_artifacts(
     *,
     results_dir: str | Path,
     against: str | Path | None = None,
+    planned: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
-    """:func:`verify_dirs` on the planned artifacts of a config (``mixquant.keys.artifacts``).
+    """:func:`verify_dirs` on the planned artifacts of a config (``mixquant.keys.artifacts``); `planned`
+    is their :func:`mixquant.keys.artifacts.made_from`, compared with ``published.made_from``.
 
     A source that is not built raises :class:`VerifyInputError` naming its stage.
     """
@@ -498,7 +583,7 @@ def verify_artifacts(
         if not art.done:
             raise VerifyInputError(f"{stage}: {art.path} is not built; run the workflow first (snakemake)")
         dirs[name] = art.path
-    return verify_dirs(published, **dirs, results_dir=results_dir, against=against)
+    return verify_dirs(published, **dirs, results_dir=results_dir, against=against, planned=planned)
 
 
 def _numerics_lines(report: VerifyReport) -> list[str]:
@@ -559,6 +644,7 @@ def format_report(report: VerifyReport, strict: bool = False) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
+    lines += [f"{check.name}: {NOT_COMPARABLE}: {check.note}" for check in report.not_comparable]
     for check in report.mismatches:
         lines += [
             f"{check.name}: mismatch ({check.kind} hash)",
@@ -572,7 +658,10 @@ def format_report(report: VerifyReport, strict: bool = False) -> str:
     if report.logits_comparison is not None:
         lines += _comparison_lines(report.logits_comparison)
     counts = report.to_json()["counts"]
-    lines.append(f"{counts[MATCH]} match, {counts[MISMATCH]} mismatch, {counts[NOT_PINNED]} not pinned")
+    line = f"{counts[MATCH]} match, {counts[MISMATCH]} mismatch, {counts[NOT_PINNED]} not pinned"
+    if report.not_comparable:
+        line += f", {len(report.not_comparable)} {NOT_COMPARABLE}"
+    lines.append(line)
     lines.append(verdict_line(report, strict))
     return "\n".join(lines)
 
@@ -588,11 +677,18 @@ def run_verify_hashes(
 ) -> Path:
     """Stage verify_hashes: verify.json when the policy passes, else one line naming the hash, no output.
 
-    A numerical mismatch under a different numerics fingerprint passes; it is logged, said on stderr in
-    one line ("not reproducible bit for bit here") and recorded in verify.json.
+    A numerical mismatch under a different numerics fingerprint passes, and so do the hashes of an
+    artifact made from other settings than the published one (not comparable; ``published.strict``
+    fails on both); either is logged, said on stderr in one line and recorded in verify.json.
     """
+    published = settings["published"]
+    strict = published_strict(published)
     report = verify_dirs(
-        settings["published"], prompt=prompt, reference_logits=reference_logits, checkpoint=checkpoint
+        published,
+        prompt=prompt,
+        reference_logits=reference_logits,
+        checkpoint=checkpoint,
+        planned=settings.get("planned"),
     )
     for check in report.checks:
         where = check.record.artifact.path if check.record is not None else check.note
@@ -602,13 +698,19 @@ def run_verify_hashes(
     host = (reference_document(reference_logits).get("numerics") or {}).get("host")
     if host:  # informative: under the portable profile another CPU model gives the same bits
         log.info("reference logits host: %s", json.dumps(host, sort_keys=True))
-    failures = report.failures()
-    if failures:
+    failures = report.failures(strict)
+    mismatched = [check for check in failures if check.status == MISMATCH]
+    if mismatched:
         hint = ""
-        if any(check.kind == NUMERICAL for check in failures):
+        if any(check.kind == NUMERICAL for check in mismatched):
             hint = "; `mixquant verify --against PUBLISHED_LOGITS` says how close the logits are"
-        raise HashMismatchError(mismatch_line(report, failures) + hint)
-    if report.not_reproducible:
+        raise HashMismatchError(mismatch_line(report, mismatched) + hint)
+    if failures:  # published.strict: not comparable fails too
+        raise HashMismatchError(
+            f"published.strict: {_not_comparable_text(report.not_comparable)}; unset published.strict or "
+            "pin the hashes of what this config makes"
+        )
+    if report.not_reproducible or report.not_comparable:
         line = verdict_line(report)
         log.warning("%s", line)
         print(f"mixquant: verify_hashes {line}", file=sys.stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from mixquant.jsonio import temporary_beside
 from mixquant.search.solve import FORMAT_BITS
 
 __all__ = ["plot_frontier", "plot_score_heatmap"]
@@ -31,7 +31,7 @@ def _save(fig: Figure, out_path: str | os.PathLike[str]) -> Path:
     """Write ``fig`` as PNG to ``out_path`` atomically (same-directory temp file + ``os.replace``)."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(out)
     try:
         with os.fdopen(fd, "wb") as handle:
             fig.savefig(handle, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")

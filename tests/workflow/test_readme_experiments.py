@@ -1,0 +1,76 @@
+"""Every `--config` experiment the README's "Using it" suggests runs from the default config to a release,
+and `mixquant verify` with the same overrides says what it can compare: the toy's published hashes are
+"not comparable" (naming the setting) for an artifact made otherwise, never a failure; --strict fails.
+
+One workdir for all of them, seeded with the session's default build, so each run reuses every stage its
+change does not touch."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+RUN = re.compile(r"^\.venv/bin/snakemake --cores 2 --config '(?P<override>[^']+)'", re.MULTILINE)
+
+
+def readme_experiments() -> list[str]:
+    """The `--config` values of the README's "Using it" run examples, in order."""
+    section = (REPO / "README.md").read_text("utf-8").split("## Using it", 1)[1].split("\n## ", 1)[0]
+    return [match["override"] for match in RUN.finditer(section)]
+
+
+def changes_a_hashed_artifact(override: str) -> bool:
+    """Whether an override changes what a published hash is read from (the checkpoint, the prompt, the
+    reference logits): in these examples every section does but kld (its candidates)."""
+    return override.split("=", 1)[0] != "kld"
+
+
+def test_the_readme_names_the_experiments_a_new_user_runs():
+    experiments = readme_experiments()
+    assert "placement={target_effective_bits: 5.0}" in experiments
+    assert "placement={target_effective_bits: 7.0}" in experiments
+    assert any(e.startswith("calibration={num_samples: ") for e in experiments)
+    assert any(e.startswith("kld={candidates: [") and "uniform-fp8" in e for e in experiments)
+
+
+def test_each_readme_experiment_runs_to_a_release_and_verify_says_not_comparable(
+    built_workdir, workdir_factory, tmp_path
+):
+    wd = workdir_factory(tmp_path / "wd")
+    shutil.copytree(built_workdir.root / "results", wd.root / "results")
+    skip = shutil.ignore_patterns("locks", "incomplete", "log")
+    shutil.copytree(built_workdir.root / ".snakemake", wd.root / ".snakemake", ignore=skip)
+    timings = {}
+    for override in readme_experiments():
+        started = time.monotonic()
+        run = wd.snakemake("--config", override, check=False)
+        timings[override] = round(time.monotonic() - started)
+        assert run.returncode == 0, f"--config {override}:\n{run.stderr[-3000:]}"
+        paths = json.loads(wd.mixquant("paths", "--json", "--config", override).stdout)
+        assert paths["release"]["done"], override
+
+        verify = wd.mixquant("verify", "--config", override, check=False)
+        strict = wd.mixquant("verify", "--strict", "--config", override, check=False)
+        assert verify.returncode == 0, f"--config {override}:\n{verify.stdout}{verify.stderr}"
+        lines = verify.stdout.splitlines()
+        section = override.split("=", 1)[0]
+        if changes_a_hashed_artifact(override):
+            assert "not comparable" in lines[-1] and lines[-1].startswith("passed: "), lines[-1]
+            assert f"differs from the published config in {section}" in verify.stdout, verify.stdout
+            assert "mismatch" not in lines[-1]
+            assert strict.returncode == 1 and strict.stdout.splitlines()[-1].startswith(
+                "FAILED: --strict: "
+            ), strict.stdout
+        else:  # another candidate leaves the checkpoint, the prompt and the logits as published
+            assert lines[-2:] == ["4 match, 0 mismatch, 0 not pinned", "passed"], verify.stdout
+            assert strict.returncode == 0
+    print("seconds per experiment:", timings)

@@ -1,0 +1,68 @@
+"""What a finished run made, read from its outputs: the placement and its routed effective bits, each KLD
+gate's verdict and KL reduction, verify's counts. Printed at the end of a successful run (the Snakefile's
+onsuccess, mixquant.planning.report_run_end), before where the release and the checkpoint are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mixquant.jsonio import read_json
+from mixquant.keys.artifacts import PLACEMENT_FILE, Artifact
+from mixquant.kld.run import AGGREGATE_JSON
+from mixquant.release.verify import VERIFY_JSON
+
+
+def _bits(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "?"
+
+
+def placement_line(art: Artifact) -> str:
+    """The placement: how it was chosen, its routed effective bits (and the target), layers per format."""
+    placement = read_json(art.path / PLACEMENT_FILE, "placement")
+    meta = placement.get("metadata") or {}
+    counts: dict[str, int] = {}
+    for fmt in (placement.get("layers") or {}).values():
+        counts[str(fmt)] = counts.get(str(fmt), 0) + 1
+    how = meta.get("source", "?") + (f" ({meta['method']})" if meta.get("method") else "")
+    target = meta.get("target_effective_bits")
+    line = f"placement: {how}, routed effective bits {_bits(meta.get('effective_bits'))}"
+    line += f" (target {_bits(target)})" if target is not None else ""
+    layers = ", ".join(f"{fmt} {count}" for fmt, count in sorted(counts.items()))
+    return line + (f"; layers: {layers}" if layers else "")
+
+
+def gate_line(art: Artifact) -> str:
+    """One KLD gate: candidate and KV-cache dtype, verdict, mean KL and the reduction vs the baseline."""
+    gate = read_json(art.path / AGGREGATE_JSON, "KLD gate")
+    verdict = "passed" if (gate.get("verdict") or {}).get("passed") else "FAILED"
+    mean_kld = (gate.get("aggregate") or {}).get("mean_kld")
+    shown = f"mean KL {mean_kld:.3g}" if isinstance(mean_kld, (int, float)) else "mean KL ?"
+    reduction = (gate.get("improvement") or {}).get("reduction")
+    if isinstance(reduction, (int, float)) and gate.get("baseline"):  # 1 - mean(candidate) / mean(baseline)
+        shown += f" ({abs(reduction):.1%} {'lower' if reduction >= 0 else 'higher'} than {gate['baseline']})"
+    return f"gate {gate.get('candidate', '?')} kv {gate.get('kv_cache_dtype', '?')}: {verdict}, {shown}"
+
+
+def verify_line(art: Artifact) -> str:
+    """verify_hashes' counts per status (match, mismatch, ...)."""
+    counts = read_json(art.path / VERIFY_JSON, "verify report").get("counts") or {}
+    return "verify: " + ", ".join(f"{count} {status}" for status, count in counts.items())
+
+
+def run_summary(artifacts: Mapping[str, Artifact]) -> list[str]:
+    """What a finished run made, from its outputs (those built): the placement and its bits, each KLD
+    gate's verdict and reduction, verify's counts (where the release is: mixquant.planning.run_end_lines)."""
+    lines = []
+    sources: list[tuple[str, Callable[[Artifact], str]]] = [("placement", placement_line)]
+    sources += [(name, gate_line) for name in sorted(artifacts) if name.startswith("gate/")]
+    sources += [("verify", verify_line)]
+    for name, line in sources:
+        art = artifacts.get(name)
+        if art is None or not art.done:
+            continue
+        try:
+            lines.append(line(art))
+        except (OSError, ValueError) as error:  # a summary never fails a run that succeeded
+            lines.append(f"{name}: cannot read ({error})")
+    return lines
