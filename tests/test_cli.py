@@ -240,7 +240,7 @@ def test_plan_warns_while_the_card_would_name_a_placeholder_repository(scratch, 
     assert main(["plan", "--configfile", _write(scratch)]) == 0
     assert warning in capsys.readouterr().out
     assert main(["plan", "--json", "--configfile", _write(scratch)]) == 0
-    assert json.loads(capsys.readouterr().out)["warnings"] == [warning.removeprefix("warning: ").strip()]
+    assert warning.removeprefix("warning: ").strip() in json.loads(capsys.readouterr().out)["warnings"]
     named = _write(scratch, lambda c: c["release"].update(repo_id="me/toy"))
     assert main(["plan", "--configfile", named]) == 0
     assert "warning: release.repo_id" not in capsys.readouterr().out

@@ -147,6 +147,8 @@ def no_hub(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # CI's test command sets it: the network is tried
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(_http.time, "sleep", lambda seconds: None)
     return tmp_path / "hub-cache"
 

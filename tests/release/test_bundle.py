@@ -289,3 +289,19 @@ def test_the_upload_check_finds_what_a_hub_user_would(upstream, tmp_path, old, n
     (repo / "README.md").write_text(card.replace(old, new))
     with pytest.raises(AssertionError, match=problem):
         check_uploadable(repo, recipe, bits)
+
+
+def test_shipped_records_name_no_local_directory_or_host():
+    """A gate's aggregate as the release ships it: no checkpoint directory of the machine that made it and
+    no host CPU, wherever they sit in the record; everything else as recorded."""
+    from mixquant.release.bundle import shipped_document
+
+    engine = {
+        "checkpoint": {"directory": "results/export_checkpoint/ab", "quant_config_sha256": "c" * 64},
+        "numerics": {"host": {"model": "Intel(R) Xeon(R)"}, "decisive": {"threads": 1}},
+    }
+    recorded = {"candidate": "searched", "engine": engine, "runs": [{"engine": engine, "mean_kld": 0.1}]}
+    shipped = shipped_document(recorded)
+    clean = {"checkpoint": {"quant_config_sha256": "c" * 64}, "numerics": {"decisive": {"threads": 1}}}
+    assert shipped == {"candidate": "searched", "engine": clean, "runs": [{"engine": clean, "mean_kld": 0.1}]}
+    assert recorded["engine"]["checkpoint"]["directory"]  # the record itself is left as it was

@@ -715,3 +715,29 @@ def test_the_rule_passes_not_comparable_hashes_unless_strict(release_dirs, tmp_p
     assert line.startswith("mixquant: verify_hashes passed: quant_config, safetensors_index not comparable")
     with pytest.raises(HashMismatchError, match=r"^published.strict: quant_config, safetensors_index not"):
         run({**published, "strict": True})
+
+
+def test_planning_says_which_published_hashes_a_config_cannot_match():
+    """`mixquant plan` / `snakemake -n`: the pinned hashes whose artifacts this config makes from other
+    settings, with the sections that differ; the checkpoint before the solve judged by its upstream
+    sections (another KLD candidate leaves it as published)."""
+    from mixquant.release.published import planned_comparability
+
+    settings = {"placement": "a" * 16, "kld": "b" * 16, "model": "c" * 16}
+    made_from = {
+        "prompt": "1" * 64,
+        "reference_logits": "2" * 64,
+        "checkpoint": "3" * 64,
+        "settings": settings,
+    }
+    published = {name: "f" * 64 for name in HASH_NAMES} | {"made_from": made_from}
+    assert planned_comparability(published, made_from) is None
+    budget = {**made_from, "checkpoint": "4" * 64, "settings": {**settings, "placement": "d" * 16}}
+    line = planned_comparability(published, budget)
+    assert line.startswith("published hashes quant_config, safetensors_index cannot match this config (it ")
+    assert "differs from the published one in placement)" in line and "--strict" in line
+    before_solve = {key: value for key, value in budget.items() if key != "checkpoint"}
+    assert planned_comparability(published, before_solve) == line
+    candidate = {**before_solve, "settings": {**settings, "kld": "e" * 16}}
+    assert planned_comparability(published, candidate) is None
+    assert planned_comparability({**published, "made_from": None}, budget) is None

@@ -243,7 +243,9 @@ def test_ctrl_c_ends_with_one_line_and_the_tracebacks_in_the_logs(workdir):
     console = workdir.root / "console.txt"
     with open(console, "w") as out:
         run = subprocess.Popen(
-            [sys.executable, "-m", "snakemake", "--cores", "2"],
+            # one job at a time: a job still starting its interpreter (before its script can send a
+            # KeyboardInterrupt to its log) would print Python's own traceback
+            [sys.executable, "-m", "snakemake", "--cores", "1"],
             cwd=workdir.root,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -255,7 +257,7 @@ def test_ctrl_c_ends_with_one_line_and_the_tracebacks_in_the_logs(workdir):
             while not (running.is_dir() and any(running.iterdir())):
                 assert run.poll() is None and time.monotonic() < deadline, console.read_text()[-3000:]
                 time.sleep(0.1)
-            time.sleep(2)  # the jobs are importing or computing
+            time.sleep(1)  # the job is importing or computing (its log is open: past its interpreter's start)
             before = len(console.read_text().splitlines())
             os.killpg(run.pid, signal.SIGINT)
             assert run.wait(timeout=300) != 0

@@ -12,7 +12,7 @@ import pytest
 from mixquant.cli import parse_dry_run
 from mixquant.keys.hashing import file_sha256
 from mixquant.keys.manifest import read_manifest, verify_manifest
-from mixquant.release.bundle import shipped_reference_document
+from mixquant.release.bundle import shipped_document
 from mixquant.release.card import parse_front_matter
 from mixquant.release.hashes import release_hashes
 from mixquant.release.recipe import load_recipe
@@ -53,7 +53,7 @@ def test_release_bundle(built_workdir):
     prompt = _dir(wd, paths, "prompt") / "prompt.safetensors"
     assert (release / reference[1]).read_bytes() == prompt.read_bytes()  # the IDs the logits belong to
     shipped = json.loads((release / reference[2]).read_text())
-    assert shipped == shipped_reference_document(json.loads((made / "reference.json").read_text()))
+    assert shipped == shipped_document(json.loads((made / "reference.json").read_text()))
     assert "host" not in json.dumps(shipped)
     fingerprint = json.loads((release / "numerics.json").read_text())
     assert fingerprint == wd.config()["published"]["numerics"]
@@ -62,7 +62,11 @@ def test_release_bundle(built_workdir):
     for name in gates:
         candidate, kv = name.removeprefix("kld/").removesuffix(".json").split(".")
         aggregate = _dir(wd, paths, f"gate/{candidate}/{kv}") / "aggregate.json"
-        assert (release / name).read_bytes() == aggregate.read_bytes()
+        assert json.loads((release / name).read_text()) == shipped_document(json.loads(aggregate.read_text()))
+    # no record the release ships names a directory of the machine that made it, or its CPU
+    for record in [*gates, reference[1]]:
+        text = (release / record).read_text()
+        assert '"directory"' not in text and '"host"' not in text and "results/" not in text, record
 
     card = (release / "README.md").read_text()
     meta = parse_front_matter(card)

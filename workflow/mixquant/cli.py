@@ -442,15 +442,11 @@ def gpu_problem(cfg: MixquantConfig) -> str | None:
     )
 
 
-def job_names(cfg: MixquantConfig, deployment: str) -> dict[str, str]:
+def job_names(artifacts: dict[str, Any]) -> dict[str, str]:
     """{key: the job's name for people} of the planned jobs (mixquant.console: stage and what it makes,
     e.g. ``quantize_layer nvfp4_w4a16 layers 1-8``)."""
     from mixquant.console import job_name
-    from mixquant.keys.artifacts import resolve_artifacts
 
-    artifacts = resolve_artifacts(
-        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment
-    )
     return {art.key: job_name(art) for art in artifacts.values()}
 
 
@@ -485,7 +481,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blockers = run_blockers(cfg, deployment)
     blockers += [f"{row['env']} {row['detail']}" for row in environments if row["status"] == "fails"]
     blockers += cluster + [line for line in [gpu_problem(cfg)] if line]
-    names = job_names(cfg, deployment) if args.json or args.jobs else {}
+    from mixquant.keys.artifacts import resolve_artifacts
+
+    artifacts = resolve_artifacts(
+        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment
+    )
+    names = job_names(artifacts)
+    warnings = plan_warnings(cfg, artifacts)
     if args.json:
         print(
             json.dumps(
@@ -499,7 +501,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "sbatch": {rule: [list(row) for row in rows] for rule, rows in submissions.items()},
                     "blockers": blockers,
                     "ready": not blockers,
-                    "warnings": plan_warnings(cfg),
+                    "warnings": warnings,
                 },
                 indent=2,
             )
@@ -513,7 +515,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  {row['env']:16} {row['status']}: {row['detail']}")
             print(f"  {'':16} used by {', '.join(row['stages'])}")
         print()
-    for line in plan_warnings(cfg):
+    for line in warnings:
         print(f"warning: {line}")
     if not plan:
         print("nothing to do: every output is up to date")

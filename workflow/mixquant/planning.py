@@ -465,11 +465,17 @@ def check_vllm(cfg: MixquantConfig, deployment: str, stages: set[str], source: s
         raise ConfigError(f"{source}: {line}")
 
 
-def plan_warnings(cfg: MixquantConfig) -> list[str]:
+def plan_warnings(cfg: MixquantConfig, artifacts: dict | None = None) -> list[str]:
     """What a run of ``cfg`` completes but leaves to fix before the release is uploaded: the model card's
-    repository id and license link (mixquant.release.card); and what planning cannot estimate without the
-    model's geometry."""
+    repository id and license link (mixquant.release.card); what planning cannot estimate without the
+    model's geometry; and, given the planned ``artifacts``, the published hashes they cannot match."""
     warnings = [line] if (line := geometry_missing_line(cfg)) else []
+    if artifacts is not None:
+        from mixquant.keys.artifacts import made_from
+        from mixquant.release.published import planned_comparability
+
+        if line := planned_comparability(cfg.published, made_from(artifacts, cfg)):
+            warnings.append(line)
     if cfg.release.repo_id is None:
         warnings.append(
             "release.repo_id is not set: the model card's `vllm serve` commands name the placeholder "

@@ -20,7 +20,12 @@ from mixquant.faults import point as fault_point
 from mixquant.console import job_name as console_job_name, quiet_console
 from mixquant.interrupt import interrupted_line, watch_interrupt
 from mixquant.config import ConfigError, select_workflow_config, validate_config
-from mixquant.keys.artifacts import artifact_by_key, final_targets, resolve_artifacts
+from mixquant.keys.artifacts import (
+    artifact_by_key,
+    final_targets,
+    made_from,
+    resolve_artifacts,
+)
 from mixquant.keys.stages import stage_env
 from mixquant.model.families import (
     WORKDIR_CACHE as ARCHITECTURE_CACHE,
@@ -36,6 +41,7 @@ from mixquant.planning import (
     report_run_end,
     snakemake_invocation,
 )
+from mixquant.release.published import planned_comparability
 from mixquant.store import hold_results_store, release_results_store, restart_run
 from mixquant.numerics import apply_environment as apply_numerics_environment
 
@@ -242,6 +248,11 @@ def keyed_params(wildcards):
 # every job runs on one node). The profile adds partitions (its partition file) and cores.
 GEOMETRY = planning_geometry(CFG)
 if workflow.is_main_process and (message := geometry_missing_line(CFG)):
+    print(f"warning: {message}", file=sys.stderr)
+# published hashes this config's artifacts cannot match: said before the run, not only by verify_hashes
+if workflow.is_main_process and (
+    message := planned_comparability(CFG.published, made_from(ART, CFG))
+):
     print(f"warning: {message}", file=sys.stderr)
 
 

@@ -617,7 +617,7 @@ SETTINGS_SECTIONS = (
     "kld",
     "numerics",
 )
-# The artifacts the published hashes are read from (mixquant.release.hashes.HASHERS).
+# The artifacts the published hashes are read from (mixquant.release.published.HASH_SOURCES).
 HASHED_ARTIFACTS = ("prompt", "reference_logits", "checkpoint")
 
 

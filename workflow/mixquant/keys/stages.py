@@ -203,7 +203,7 @@ STAGES: dict[str, StageSpec] = {
             "verify_hashes",
             "mixquant.release.verify:run_verify_hashes",
             "verify",
-            ("mixquant.release.hashes", "mixquant.release.verify"),
+            ("mixquant.release.hashes", "mixquant.release.published", "mixquant.release.verify"),
             (),
         ),
         # The bundle copies upstream files and writes the recipe, the KLD table and the model card (which

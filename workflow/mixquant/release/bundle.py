@@ -95,13 +95,21 @@ def gate_file_name(candidate: str, kv: str) -> str:
     return f"{KLD_DIR}/{candidate}.{kv}.json"
 
 
-def shipped_reference_document(document: dict[str, Any]) -> dict[str, Any]:
-    """reference.json as the release ships it: every fingerprint without its host part (informative only)."""
+def shipped_document(document: dict[str, Any]) -> dict[str, Any]:
+    """A record (reference.json, a gate's aggregate) as the release ships it: every numerics fingerprint
+    without its host part (informative only) and every checkpoint without the directory it was read from
+    on the machine that made it (its hashes name it)."""
     shipped = copy.deepcopy(document)
-    for holder in (shipped, shipped.get("engine") or {}):
-        numerics = holder.get("numerics")
-        if isinstance(numerics, dict):
-            numerics.pop("host", None)
+    stack: list[Any] = [shipped]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for name, field in (("numerics", "host"), ("checkpoint", "directory")):
+                if isinstance(node.get(name), dict):
+                    node[name].pop(field, None)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
     return shipped
 
 
@@ -232,14 +240,14 @@ def run_assemble_release(
         (tmp / RECIPE_FILE).write_text(recipe_yaml(recipe, header), encoding="utf-8")
         if placement_audit is not None:
             shutil.copyfile(Path(placement) / PLACEMENT_AUDIT, tmp / PLACEMENT_AUDIT)
-        for role, doc in gate_docs:
+        for _, doc in gate_docs:
             target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(gates[role]) / AGGREGATE_JSON, target)
+            target.write_text(_json_text(shipped_document(doc)), encoding="utf-8")
         link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
         link_or_copy(prompt_dir / PROMPT_FILE, tmp / RELEASE_REFERENCE_DIR / PROMPT_FILE)
         (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
-            _json_text(shipped_reference_document(reference_doc)), encoding="utf-8"
+            _json_text(shipped_document(reference_doc)), encoding="utf-8"
         )
         (tmp / NUMERICS_JSON).write_text(_json_text(numerics), encoding="utf-8")
         (tmp / CARD_FILE).write_text(card, encoding="utf-8")

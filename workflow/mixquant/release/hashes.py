@@ -32,9 +32,8 @@ from mixquant.export.inspect import QUANT_CONFIG_FILE
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
 from mixquant.kld.run import LOGITS_FILE, REFERENCE_JSON
 from mixquant.model.layout import INDEX_FILE
+from mixquant.release.published import HASH_NAMES, HASH_SOURCES
 
-# The order of PublishedHashes' fields (config ``published``), which is also the report's order.
-HASH_NAMES = ("prompt_token_ids", "reference_logits", "quant_config", "safetensors_index")
 CONTENT, NUMERICAL = "content", "numerical"
 HASH_KINDS = {
     "prompt_token_ids": CONTENT,
@@ -199,12 +198,13 @@ def safetensors_index_hash(checkpoint_dir: str | Path) -> HashRecord:
 
 
 # hash name -> (the function deriving it, the keyed directory it reads: prompt, reference_logits, checkpoint)
-HASHERS = {
-    "prompt_token_ids": (prompt_token_ids_hash, "prompt"),
-    "reference_logits": (reference_logits_hash, "reference_logits"),
-    "quant_config": (quant_config_hash, "checkpoint"),
-    "safetensors_index": (safetensors_index_hash, "checkpoint"),
+_HASH_FUNCTIONS = {
+    "prompt_token_ids": prompt_token_ids_hash,
+    "reference_logits": reference_logits_hash,
+    "quant_config": quant_config_hash,
+    "safetensors_index": safetensors_index_hash,
 }
+HASHERS = {name: (_HASH_FUNCTIONS[name], HASH_SOURCES[name]) for name in HASH_NAMES}
 
 
 def release_hashes(

@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from mixquant.jsonio import diff_values
-from mixquant.keys.artifacts import SETTINGS_SECTIONS
-from mixquant.keys.hashing import is_sha256_hex, require_sha256_hex
+from mixquant.keys.hashing import is_sha256_hex
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.numerics import fingerprint_differences
 from mixquant.release.hashes import (
@@ -57,6 +56,13 @@ from mixquant.release.hashes import (
     recorded_numerics,
     reference_document,
 )
+from mixquant.release.published import (
+    SOURCE_ARTIFACTS,
+    comparability,
+    published_made_from,
+    published_strict,
+    published_values,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +71,6 @@ MATCH, MISMATCH, NOT_PINNED, NOT_COMPARABLE = "match", "mismatch", "not pinned",
 EQUAL, DIFFERENT, UNKNOWN = "equal", "different", "unknown"  # our numerics fingerprint vs the published one
 NOT_REPRODUCIBLE = "not reproducible bit for bit here"
 # The artifact each hash is read from, as `mixquant.keys.artifacts` names it.
-SOURCE_ARTIFACTS = {
-    "prompt": "pin_prompt",
-    "reference_logits": "reference_logits",
-    "checkpoint": "export_checkpoint",
-}
 
 
 class VerifyInputError(ValueError):
@@ -222,20 +223,6 @@ class VerifyReport:
         }
 
 
-def published_values(published: Mapping[str, Any] | Any) -> dict[str, str | None]:
-    """{hash name: published SHA-256 or None} from config ``published`` (a model or a dict)."""
-    if not isinstance(published, Mapping):
-        published = published.model_dump(mode="json")
-    unknown = sorted(set(published) - set(HASH_NAMES) - {"numerics", "made_from", "strict"})
-    if unknown:
-        raise ValueError(f"published: unknown hash {unknown[0]!r} (known: {', '.join(HASH_NAMES)})")
-    values = {}
-    for name in HASH_NAMES:
-        value = published.get(name)
-        values[name] = None if value in (None, "") else require_sha256_hex(value, f"published.{name}")
-    return values
-
-
 def published_numerics(published: Mapping[str, Any] | Any) -> dict[str, Any] | None:
     """Config ``published.numerics``: the decisive fingerprint of the published logits, or None (unknown)."""
     if not isinstance(published, Mapping):
@@ -249,44 +236,6 @@ def published_numerics(published: Mapping[str, Any] | Any) -> dict[str, Any] | N
             f"{NUMERICS_JSON}), got {json.dumps(value)[:80]}"
         )
     return dict(value)
-
-
-def published_made_from(published: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """Config ``published.made_from`` as a dict ({} when not pinned: every pinned hash is compared)."""
-    if not isinstance(published, Mapping):
-        published = published.model_dump(mode="json")
-    return dict(published.get("made_from") or {})
-
-
-def published_strict(published: Mapping[str, Any] | Any) -> bool:
-    """Config ``published.strict``: verify_hashes fails as ``mixquant verify --strict`` does."""
-    if not isinstance(published, Mapping):
-        published = published.model_dump(mode="json")
-    return bool(published.get("strict"))
-
-
-def comparability(pinned: Mapping[str, Any], planned: Mapping[str, Any] | None, source: str) -> str | None:
-    """Why the hashes of artifact `source` cannot match the published ones (one phrase), None if they can.
-
-    Comparable unless both the published and the planned recipe of `source` are known and differ; the
-    reason names the config sections whose short hashes differ from ``made_from.settings``.
-    """
-    want, got = pinned.get(source), (planned or {}).get(source)
-    if want is None or got is None or want == got:
-        return None
-    ours, theirs = (planned or {}).get("settings") or {}, pinned.get("settings") or {}
-    differing = [
-        section for section in SETTINGS_SECTIONS if section in theirs and theirs[section] != ours.get(section)
-    ]
-    what = (
-        f"differs from the published config in {', '.join(differing)}"
-        if differing
-        else "the config sections are the published ones: the producer's version or a derived input differs"
-    )
-    return (
-        f"the {source} ({SOURCE_ARTIFACTS[source]}) is made from other settings than the published one: "
-        f"{what} (recipe {got[:12]}, published {want[:12]})"
-    )
 
 
 def check_hashes(
