@@ -347,10 +347,11 @@ def _profile_uses_conda(profile: str) -> bool:
 
 
 def plan_estimates(
-    cfg: MixquantConfig, jobs: list, slots: int | None = None, deployment: str | None = None
+    cfg: MixquantConfig, jobs: list, planned: dict, slots: int | None = None, deployment: str | None = None
 ) -> tuple[list, dict]:
-    """Cost-model estimates of the planned jobs and of those that follow the placement's solve, and the
-    critical path of all of them with ``slots`` jobs at once (the profile's ``jobs``)."""
+    """Cost-model estimates of the planned jobs (``planned``: the artifact graph as planned now) and of
+    those that follow the placement's solve, and the critical path of all of them with ``slots`` jobs at
+    once (the profile's ``jobs``)."""
     from mixquant.cluster import after_solve_artifacts, critical_path, estimate_plan, planning_geometry
     from mixquant.keys.artifacts import placement_from_config, resolve_artifacts
 
@@ -358,7 +359,6 @@ def plan_estimates(
     if geometry is None:
         return [], {}
     cache = Path(".snakemake") / "mixquant-hashes"
-    planned = resolve_artifacts(cfg, hash_cache_dir=cache, deployment=deployment)
     later, whole = [], planned
     if "checkpoint" not in planned and cfg.placement.explicit is not None:
         # Stand-in for the placement the solve will choose: placement.explicit.
@@ -455,7 +455,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from mixquant.cluster import disk_space_warning, estimate_table, parse_dry_run_jobs
     from mixquant.costs import B200
-    from mixquant.planning import check_deployment, plan_warnings, run_blockers
+    from mixquant.keys.artifacts import resolve_artifacts
+    from mixquant.planning import check_deployment, device_problem, plan_warnings, run_blockers
 
     extra = args.snakemake_args + (["--config", *args.config] if args.config else [])
     args.config = config_entries(extra)  # also those given after `--`, as the dry run reads them
@@ -467,8 +468,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     jobs = parse_dry_run_jobs(text)
     profile = _profile_settings(args.profile)
     slots = profile.get("jobs")
+    artifacts = resolve_artifacts(
+        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment
+    )
     estimates, critical = (
-        plan_estimates(cfg, jobs, int(slots) if slots else None, deployment) if plan else ([], {})
+        plan_estimates(cfg, jobs, artifacts, int(slots) if slots else None, deployment) if plan else ([], {})
     )
     if critical and (
         disk := disk_space_warning(cfg.results_dir, sum(row.bytes_written for row in estimates))
@@ -481,11 +485,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blockers = run_blockers(cfg, deployment)
     blockers += [f"{row['env']} {row['detail']}" for row in environments if row["status"] == "fails"]
     blockers += cluster + [line for line in [gpu_problem(cfg)] if line]
-    from mixquant.keys.artifacts import resolve_artifacts
-
-    artifacts = resolve_artifacts(
-        cfg, hash_cache_dir=Path(".snakemake") / "mixquant-hashes", deployment=deployment
-    )
+    if line := device_problem(cfg, local=profile.get("executor") in (None, "local")):
+        blockers.append(line)
     names = job_names(artifacts)
     warnings = plan_warnings(cfg, artifacts)
     if args.json:

@@ -442,16 +442,23 @@ def cuda_missing(cfg: MixquantConfig) -> str | None:
     return None
 
 
-def check_device(cfg: MixquantConfig, local: bool, source: str = "config") -> None:
+def device_problem(cfg: MixquantConfig, local: bool) -> str | None:
     """One line when the jobs would run on this machine (the local executor) and numerics.device is a
-    CUDA device it does not have; under a cluster executor the jobs run on the cluster's nodes, so a
-    login node without CUDA plans them."""
+    CUDA device it does not have; None under a cluster executor (the jobs run on the cluster's nodes, so a
+    login node without CUDA plans them) or where the device is there."""
     if local and (reason := cuda_missing(cfg)):
-        raise ConfigError(
-            f"{source}: config key 'numerics.device': {cfg.numerics.device!r}, but {reason}: set "
+        return (
+            f"config key 'numerics.device': {cfg.numerics.device!r}, but {reason}: set "
             "numerics.device: cpu, or run on a CUDA node (or with a cluster profile whose jobs run on "
             "GPU nodes, e.g. --profile profiles/slurm-blackwell)"
         )
+    return None
+
+
+def check_device(cfg: MixquantConfig, local: bool, source: str = "config") -> None:
+    """At a run's start: :func:`device_problem` as one line, before any job."""
+    if line := device_problem(cfg, local):
+        raise ConfigError(f"{source}: {line}")
 
 
 def check_vllm(cfg: MixquantConfig, deployment: str, stages: set[str], source: str = "config") -> None:

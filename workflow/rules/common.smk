@@ -38,6 +38,7 @@ from mixquant.planning import (
     check_run_deployment,
     check_run_start,
     check_vllm,
+    device_problem,
     report_run_end,
     snakemake_invocation,
 )
@@ -86,9 +87,16 @@ try:
         os.environ.get("MIXQUANT_PLAN_DEPLOYMENT") or SNAKEMAKE_DEPLOYMENT,
         CONFIG_SOURCE,
     )
-    # CUDA jobs on this machine need CUDA here; a cluster's jobs run on nodes that have their own
-    if INVOCATION is not None and (INVOCATION.dry_run or INVOCATION.executes):
+    # CUDA jobs on this machine need CUDA here (a cluster's jobs run on nodes that have their own): a run
+    # stops, a plan (-n) says so and plans, as planning needs neither the weights nor the GPU
+    if INVOCATION is not None and INVOCATION.executes:
         check_device(CFG, INVOCATION.local, CONFIG_SOURCE)
+    elif (
+        INVOCATION is not None
+        and INVOCATION.dry_run
+        and (problem := device_problem(CFG, INVOCATION.local))
+    ):
+        print(f"warning: {CONFIG_SOURCE}: {problem}; a run stops here", file=sys.stderr)
 except ConfigError as error:
     sys.exit(f"mixquant: {error}")
 # What the keys are made of: the config as mixquant read it (a quoted number from a YAML file or a
