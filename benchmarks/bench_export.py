@@ -51,13 +51,11 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-from mixquant.export.checkpoint import (  # noqa: E402
-    TensorRecord,
-    default_producer,
-    export_checkpoint,
-    write_safetensors,
-)
-from mixquant.model import layout  # noqa: E402
+from mixquant.checkpoint.writer import TensorRecord, write_safetensors  # noqa: E402
+from mixquant.export.checkpoint import export_checkpoint  # noqa: E402
+from mixquant.model import layout, toy_layout  # noqa: E402
+from mixquant.model.families import mlp_layer_types  # noqa: E402
+from mixquant.producer import default_producer  # noqa: E402
 from mixquant.quantize.layer import LAYER_FILE  # noqa: E402
 from mixquant.quantize.reference import BF16, FP8, NVFP4  # noqa: E402
 
@@ -91,7 +89,7 @@ def upstream_shapes(config) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = LagunaForCausalLM(config)
-    tensors = layout.hf_to_upstream_state_dict(model.state_dict())
+    tensors = toy_layout.hf_to_upstream_state_dict(model.state_dict())
     return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
@@ -130,11 +128,11 @@ def build(root: Path, gb: float, shard_gb: float) -> dict:
         write_safetensors(src / file, records, fsync=True)
         weight_map.update(dict.fromkeys(names, file))
     layout.write_json(src / layout.INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    layout.write_json(src / layout.CONFIG_FILE, layout.checkpoint_config_dict(config))
+    layout.write_json(src / layout.CONFIG_FILE, toy_layout.checkpoint_config_dict(config))
     layout.write_json(src / layout.GENERATION_CONFIG_FILE, {})
     (src / "tokenizer.json").write_text("{}")
 
-    moe = [i for i, t in enumerate(layout.mlp_layer_types(config.to_dict())) if t == "sparse"]
+    moe = [i for i, t in enumerate(mlp_layer_types(config.to_dict())) if t == "sparse"]
     layer_dirs, result_bytes = {}, 0
     for j, layer in enumerate(moe):
         fmt = CYCLE[j % len(CYCLE)]

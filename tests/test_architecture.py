@@ -42,7 +42,8 @@ def _resolve(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list
             prefix = ".".join(base + ([node.module] if node.module else []))
         else:
             prefix = node.module or ""
-        names = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in MODULES else prefix for alias in node.names]
+        names = [f"{prefix}.{alias.name}" for alias in node.names]
+        names = [name if name in MODULES else prefix for name in names]
     found = []
     for name in names:
         while name and name not in MODULES:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mixquant.cli import main, snakemake_error
+from mixquant.cli import main
+from mixquant.cli.plan import snakemake_error
 from mixquant.jsonio import diff_values
 from mixquant.rulelog import failure_marker
 
@@ -57,7 +58,7 @@ def test_explain_diff_names_leaf_paths():
 def test_keys_are_found_by_an_unambiguous_prefix(tmp_path, capsys):
     """The 12-hex short keys mixquant prints name a keyed directory; an ambiguous or non-hex prefix is
     one line (a prefix is checked as hex before it becomes part of a glob)."""
-    from mixquant.cli import find_keyed_dir
+    from mixquant.cli.paths import find_keyed_dir
 
     a, b, c = "ab12" + "0" * 60, "ab120000" + "1" * 56, "cd34" + "2" * 60
     for stage, key in (("pin_prompt", a), ("export_checkpoint", b), ("run_kld", c)):
@@ -188,9 +189,9 @@ def test_paths_shows_a_failed_stage_as_failed(scratch, capsys):
 def test_a_failed_check_exits_1_whichever_command_runs_it(monkeypatch, capsys, command):
     """``mixquant run verify_hashes`` and ``mixquant verify`` exit 1 for the same mismatch (as a failed
     KLD gate does); errors that are not a check's verdict stay 2."""
-    import mixquant.cli as cli
+    import mixquant.cli.parser as parser
     from mixquant.kld.run import KldGateFailure
-    from mixquant.release.verify import HashMismatchError
+    from mixquant.release.report import HashMismatchError
 
     verdict = (
         KldGateFailure("KLD gates failed: x") if "gates" in command[-1] else HashMismatchError("mismatch")
@@ -199,23 +200,23 @@ def test_a_failed_check_exits_1_whichever_command_runs_it(monkeypatch, capsys, c
     def fail(args):
         raise verdict
 
-    monkeypatch.setattr(cli, "cmd_run", fail)
-    monkeypatch.setattr(cli, "cmd_verify", fail)
+    monkeypatch.setattr(parser, "cmd_run", fail)
+    monkeypatch.setattr(parser, "cmd_verify", fail)
     assert main(command) == 1
     assert capsys.readouterr().err.startswith("mixquant: ")
 
     def broken(args):
         raise ValueError("verify_hashes: results/x is not built")
 
-    monkeypatch.setattr(cli, "cmd_run", broken)
-    monkeypatch.setattr(cli, "cmd_verify", broken)
+    monkeypatch.setattr(parser, "cmd_run", broken)
+    monkeypatch.setattr(parser, "cmd_verify", broken)
     assert main(command) == 2
 
 
 def test_dotted_config_keys_become_the_mapping_snakemake_takes():
     """`mixquant plan -- --config calibration.num_samples=8` works: Snakemake's own parser refuses dotted
     keys, so mixquant hands it `calibration={num_samples: "8"}` (the config reads "8" as the number)."""
-    from mixquant.cli import nested_config_args
+    from mixquant.cli.context import nested_config_args
 
     assert nested_config_args(["--config", "calibration.num_samples=8", "a.b.c=x y", "seed=3", "target"]) == [
         "--config",
@@ -230,9 +231,9 @@ def test_dotted_config_keys_become_the_mapping_snakemake_takes():
 def test_plan_warns_while_the_card_would_name_a_placeholder_repository(scratch, capsys, monkeypatch):
     """Without release.repo_id the model card's `vllm serve` names <your-org>/<name>: `mixquant plan` says
     so (with the plan or without anything to do; in --json too), and not once it is set."""
-    import mixquant.cli as cli
+    import mixquant.cli.plan as plan
 
-    monkeypatch.setattr(cli, "dry_run", lambda *args, **kwargs: "")  # a plan with nothing to do
+    monkeypatch.setattr(plan, "dry_run", lambda *args, **kwargs: "")  # a plan with nothing to do
     warning = (
         "warning: release.repo_id is not set: the model card's `vllm serve` commands name the placeholder "
         "<your-org>/<name>; set it to the Hub repository the release is uploaded to\n"
@@ -330,3 +331,14 @@ def test_explain_works_on_planned_keys_not_built_yet(scratch, capsys):
         f"mixquant: no output directory with key {'0' * 64} under results/ nor among the config's planned "
         "outputs\n"
     )
+
+
+def test_the_command_starts_without_torch():
+    """`mixquant --help`, `mixquant plan` and the other planning commands import no torch, transformers, pulp
+    or matplotlib: the commands that need them import them when they run."""
+    import sys
+
+    heavy = ("torch", "transformers", "pulp", "matplotlib")
+    code = f"import sys, mixquant.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

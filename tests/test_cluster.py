@@ -16,12 +16,13 @@ from mixquant.cluster import (
     clear_stale_lock,
     engine_gpus,
     job_request,
+    parse_dry_run,
     parse_dry_run_jobs,
     record_run_owner,
     release_run_owner,
 )
 from mixquant.config import load_config_file
-from mixquant.keys.artifacts import resolve_artifacts
+from mixquant.graph import resolve_artifacts
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ab" * 32
@@ -60,6 +61,17 @@ def test_parse_dry_run_jobs():
     assert jobs[1].key == "ef" * 32
 
 
+def test_parse_dry_run_counts_jobs_and_reasons_per_rule():
+    """`mixquant plan`'s rule table reads the same parse as the per-job estimates."""
+    assert parse_dry_run(DRY_RUN) == {
+        "quantize_layer": {
+            "jobs": 1,
+            "reasons": {"Missing output files": 1, "Input files updated by another job": 1},
+        },
+        "solve_placement": {"jobs": 1, "reasons": {"Missing output files": 1}},
+    }
+
+
 @pytest.fixture(scope="module")
 def laguna():
     return load_config_file(str(REPO / "config" / "laguna-s-2.1.yaml"))
@@ -75,7 +87,7 @@ def test_engine_gpus_follow_the_engine(laguna):
 
 
 def test_job_request_doubles_per_attempt_and_falls_back_without_geometry(laguna):
-    from mixquant.cluster import planning_geometry
+    from mixquant.facts import planning_geometry
 
     arts = resolve_artifacts(laguna)
     geometry = planning_geometry(laguna, REPO)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from mixquant.console import job_name, quiet_console
-from mixquant.keys.artifacts import Artifact
+from mixquant.graph import Artifact
 
 
 def _artifact(name: str, stage: str) -> Artifact:

@@ -1,30 +1,22 @@
-"""The cluster cost model: geometry against published counts, and estimates that scale as the code does."""
+"""The cluster cost model: estimates that scale as the code does, from a geometry alone."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mixquant.config import load_config_file
-from mixquant.costs import (
-    B200,
-    Geometry,
-    geometry_from_hf_config,
-    model_geometry,
-    placement_counts,
-    rule_resources,
-    stage_cost,
-    toy_geometry,
-)
+from mixquant.costs import B200, placement_counts, rule_resources, stage_cost
+from mixquant.facts import Geometry, geometry_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 LAGUNA_CONFIG = ROOT / "data/models/laguna-s-2.1/config.json"
-# the reference release: Laguna-S-2.1 parameters and the release's tensor payload
-LAGUNA_TOTAL = 117_561_977_600
-LAGUNA_ROUTED = 113_548_197_888
+# the reference release's tensor payload
 LAGUNA_PAYLOAD = 92_433_871_744
 NVFP4_PROJECTION_BYTES = 1_769_476
 FP8_PROJECTION_BYTES = 3_145_736
@@ -39,58 +31,6 @@ def laguna_cfg():
 def laguna(laguna_cfg) -> Geometry:
     config = json.loads(LAGUNA_CONFIG.read_text("utf-8"))
     return geometry_from_hf_config(config, laguna_cfg.model.moe_layers)
-
-
-def test_laguna_geometry_matches_published_counts(laguna):
-    assert laguna.moe_layers == tuple(range(1, 48))
-    assert laguna.total_params == LAGUNA_TOTAL
-    assert laguna.routed_params == LAGUNA_ROUTED
-    assert laguna.bf16_bytes == 2 * LAGUNA_TOTAL
-    assert laguna.routed_bytes_per_layer == 256 * 3 * 3072 * 1024 * 2
-    # "active ~8.45B": everything but the routed experts, plus top-10 of 256 per MoE layer
-    assert laguna.active_params_per_token == LAGUNA_TOTAL - LAGUNA_ROUTED + 47 * 10 * 3 * 3072 * 1024
-    assert round(laguna.active_params_per_token / 1e9, 2) == 8.45
-
-
-def test_toy_geometry_equals_the_built_toy_model():
-    import torch
-    from mixquant.model.toy import parameter_counts, toy_laguna_config
-    from transformers import LagunaForCausalLM
-
-    cfg = load_config_file(ROOT / "config/config.yaml")
-
-    class Tokenizer:  # the trained BPE tokenizer reaches its configured size
-        def __len__(self) -> int:
-            return cfg.model.toy.tokenizer.vocab_size
-
-        def convert_tokens_to_ids(self, token: str) -> int:
-            return 3
-
-    config = toy_laguna_config(cfg.model.toy.arch.model_dump(), Tokenizer())
-    with torch.device("meta"):
-        counts = parameter_counts(LagunaForCausalLM(config))
-    geometry = toy_geometry(cfg)
-    assert geometry.total_params == counts["total"]
-    assert geometry.routed_params == counts["routed_experts"]
-    assert geometry.active_params_per_token == counts["active_per_token"]
-    # the shipped toy's config.json, read through its family's architecture: the same model
-    shipped = model_geometry(cfg)
-    for attribute in ("total_params", "routed_params", "active_params_per_token", "moe_layers", "bf16_bytes"):
-        assert getattr(shipped, attribute) == getattr(geometry, attribute), attribute
-    assert [shipped.layer_params(layer) for layer in range(9)] == [
-        geometry.layer_params(layer) for layer in range(9)
-    ]
-
-
-def test_model_geometry_of_a_hub_model_needs_its_config(laguna_cfg, laguna):
-    assert model_geometry(laguna_cfg, ROOT) == laguna  # the committed config.json model.geometry names
-    unset = laguna_cfg.model_copy(update={"model": laguna_cfg.model.model_copy(update={"geometry": None})})
-    with pytest.raises(ValueError, match=r"^model\.geometry: planning a hub/local model needs its config"):
-        model_geometry(unset, ROOT)
-    elsewhere = laguna_cfg.model.model_copy(update={"geometry": "no.json"})
-    missing = laguna_cfg.model_copy(update={"model": elsewhere})
-    with pytest.raises(ValueError, match=r"^model\.geometry: cannot read .*no\.json"):
-        model_geometry(missing, ROOT)
 
 
 def test_a_search_without_expected_counts_plans_the_heaviest_placement_the_budget_allows(laguna_cfg, laguna):
@@ -154,7 +94,7 @@ def test_layer_results_hold_exported_tensors_only(laguna_cfg, laguna):
 
 
 def test_a_score_pass_streams_the_model_once_with_every_branch(laguna_cfg, laguna):
-    from mixquant.keys.artifacts import score_macro_batch
+    from mixquant.facts import score_macro_batch
 
     size = score_macro_batch(laguna_cfg)
     assert size == 256  # two passes of the 512 calibration sequences fit a B200
@@ -277,12 +217,20 @@ def test_pinned_host_buffers_are_counted_as_torch_rounds_them(laguna_cfg, laguna
     parameters; torch's caching host allocator rounds each pinned block up to a power of two: Laguna's
     gate_up buffer (256 x 2048 x 3072 bf16, 3 GiB) takes 4 GiB and its down buffer (1.5 GiB) 2 GiB, and the
     host request holds two such layers (the one copied and the read-ahead)."""
-    from mixquant.costs import _max_layer_bytes, _pinned_layer_bytes
+    from mixquant.costs.sizes import pinned_layer_bytes
+    from mixquant.facts.jobs import max_layer_bytes
 
     gib = 1 << 30
     assert 256 * 2 * laguna.moe_intermediate_size * laguna.hidden_size * 2 == 3 * gib
-    pinned = _pinned_layer_bytes(laguna)
-    assert pinned == 6 * gib + 2 * (_max_layer_bytes(laguna) - 4.5 * gib)  # the rest doubled, at most
-    assert pinned > _max_layer_bytes(laguna)
+    pinned = pinned_layer_bytes(laguna)
+    assert pinned == 6 * gib + 2 * (max_layer_bytes(laguna) - 4.5 * gib)  # the rest doubled, at most
+    assert pinned > max_layer_bytes(laguna)
     host = stage_cost(laguna_cfg, laguna, "collect_activation_stats", gpus=1).peak_host_bytes
     assert host >= 2 * pinned
+
+
+def test_the_cost_model_stands_without_the_artifact_graph():
+    """Costs read the planning facts, never the keyed graph (so they are tested from a geometry alone)."""
+    code = "import sys, mixquant.costs; print([m for m in sys.modules if m.startswith('mixquant.graph')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

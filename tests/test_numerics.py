@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from mixquant.config import validate_config
-from mixquant.keys.artifacts import resolve_artifacts
-from mixquant.keys.stages import computes_on_cpu
+from mixquant.graph import resolve_artifacts
+from mixquant.keys.stages import torch_decides_numbers
 from mixquant.numerics import key_identity, portable_environment, profile_settings
 
 # A small random bf16 linear + SDPA forward (ATen's gemm and MKL's bf16 GEMM, the two code paths the toy's
@@ -102,8 +102,8 @@ def test_profile_enters_the_keys_of_computing_stages_only():
     portable, native, threads = _keys(cpu="portable"), _keys(cpu="native"), _keys(threads=2)
     for name, art in resolve_artifacts(validate_config(_raw())).items():
         config = art.preimage["config"]
-        assert ("numerics" in config) == computes_on_cpu(art.stage), name
-        if computes_on_cpu(art.stage):
+        assert ("numerics" in config) == torch_decides_numbers(art.stage), name
+        if torch_decides_numbers(art.stage):
             assert config["numerics"] == {"device": "cpu", **key_identity("portable", 1)}
             assert art.settings["numerics"] == {"profile": "portable", "threads": 1, "device": "cpu"}
             assert portable[name] != native[name] and portable[name] != threads[name], name

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from mixquant.config import ConfigError, validate_config
-from mixquant.keys.artifacts import Artifact
+from mixquant.graph import Artifact
 from mixquant.keys.manifest import MANIFEST
 from mixquant.planning import (
     artifact_state,

@@ -14,13 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mixquant.checkpoint.shards import (
-    DTYPE_BYTES,
-    CheckpointError,
-    ShardReader,
-    check_inside,
-    read_safetensors_header,
-)
+from mixquant.checkpoint.headers import DTYPE_BYTES, CheckpointError, check_inside, read_safetensors_header
+from mixquant.checkpoint.shards import ShardReader
 from mixquant.jsonio import read_json
 from mixquant.model.families import UnsupportedArchitecture, architecture
 from safetensors.torch import save_file
@@ -157,7 +152,7 @@ def test_symlinks_that_leave_the_model_directory_are_refused(checkpoint, tmp_pat
         lambda: ShardReader(checkpoint), checkpoint
     )
     # planning hashes a local model for its key only once no link leaves it
-    from mixquant.checkpoint.shards import check_links_inside
+    from mixquant.checkpoint.headers import check_links_inside
     from mixquant.cli import main
 
     assert "leaves the model directory" in one_line_refusal(

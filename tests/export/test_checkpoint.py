@@ -23,23 +23,18 @@ import torch
 warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
 import modelopt.torch.quantization as mtq  # noqa: E402
-from mixquant.export.checkpoint import (  # noqa: E402
-    HF_QUANT_CONFIG_FILE,
-    ExportInputError,
-    TensorRecord,
-    default_producer,
-    export_checkpoint,
-    kv_scale_name,
+from mixquant.export.checkpoint import export_checkpoint  # noqa: E402
+from mixquant.export.files import QUANT_CONFIG_FILE  # noqa: E402
+from mixquant.export.inputs import ExportInputError, kv_scale_name  # noqa: E402
+from mixquant.export.modelopt_config import (  # noqa: E402
     modelopt_hf_quant_config,
     modelopt_quantization_config,
-    safetensors_header,
-    tensor_record,
-    write_safetensors,
 )
 from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # noqa: E402
-from mixquant.model import layout  # noqa: E402
+from mixquant.model import layout, toy_layout  # noqa: E402
 from mixquant.model.tokenizer import SPECIAL_TOKENS  # noqa: E402
 from mixquant.model.toy import init_toy_model, to_bfloat16, toy_laguna_config  # noqa: E402
+from mixquant.producer import default_producer  # noqa: E402
 from mixquant.quantize.activations import collect_activation_stats  # noqa: E402
 from mixquant.quantize.layer import quantize_layer, save_layer_result  # noqa: E402
 from mixquant.quantize.reference import (  # noqa: E402
@@ -52,7 +47,6 @@ from mixquant.quantize.reference import (  # noqa: E402
     modelopt_reference_export,
 )
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save, save_file  # noqa: E402
 
 torch.set_num_threads(1)
 cpu_reference = pytest.mark.skipif(
@@ -156,7 +150,7 @@ def source(tmp_path_factory):
     to_bfloat16(model)
     out = tmp_path_factory.mktemp("src")
     with quiet():
-        layout.save_upstream_checkpoint(model, out, num_shards=3)
+        toy_layout.save_upstream_checkpoint(model, out, num_shards=3)
     return out
 
 
@@ -253,62 +247,6 @@ def exported(source, layer_results, stats, tokenizer_dir, tmp_path_factory):
     return out, summary, producer
 
 
-# ----------------------------------------------------------------------------------------- writer
-
-
-def test_writer_bytes_equal_save_file(tmp_path):
-    """The streaming writer's file == safetensors.torch.save_file's, from memory and from file ranges."""
-    gen = torch.Generator().manual_seed(0)
-    tensors = {
-        "model.layers.10.w": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
-        "model.layers.2.w": torch.randn(7, generator=gen).to(torch.bfloat16),
-        "scale": torch.tensor(0.25),
-        "s2": torch.randn((), generator=gen).to(torch.float32),
-        "packed": torch.randint(0, 255, (4, 8), generator=gen, dtype=torch.uint8),
-        "fp8": torch.randn(4, 16, generator=gen).to(torch.float8_e4m3fn),
-        "fp8b": torch.randn(2, generator=gen).to(torch.float8_e5m2),
-        "half": torch.randn(3, generator=gen).to(torch.float16),
-        "i64": torch.arange(5),
-        "i32": torch.arange(3, dtype=torch.int32),
-        "i16": torch.arange(3, dtype=torch.int16),
-        "i8": torch.arange(3, dtype=torch.int8),
-        "f64": torch.randn(2, generator=gen, dtype=torch.float64),
-        "flag": torch.tensor([True, False, True]),
-        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
-        "ü-name": torch.ones(1),
-    }
-    for metadata in ({"format": "pt"}, None):
-        expected = save(tensors, metadata=metadata)
-        ours = tmp_path / "ours.safetensors"
-        write_safetensors(ours, [tensor_record(n, t) for n, t in tensors.items()], metadata=metadata)
-        assert ours.read_bytes() == expected
-        header, ordered = safetensors_header([tensor_record(n, t) for n, t in tensors.items()], metadata)
-        assert expected.startswith(header) and len(ordered) == len(tensors)
-    # the same bytes, streamed from byte ranges of another file (here: save_file's own output)
-    src = tmp_path / "src.safetensors"
-    save_file(tensors, str(src), metadata={"format": "pt"})
-    raw = src.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__")
-    records = [
-        TensorRecord(
-            name,
-            info["dtype"],
-            tuple(info["shape"]),
-            info["data_offsets"][1] - info["data_offsets"][0],
-            path=src,
-            offset=8 + n + info["data_offsets"][0],
-        )
-        for name, info in reversed(list(header.items()))  # input order does not matter
-    ]
-    write_safetensors(tmp_path / "copy.safetensors", records, fsync=False)
-    assert (tmp_path / "copy.safetensors").read_bytes() == raw
-    with safe_open(tmp_path / "copy.safetensors", "pt") as handle:
-        assert handle.metadata() == {"format": "pt"}
-        assert_byte_identical({k: handle.get_tensor(k) for k in handle.keys()}, tensors)  # noqa: SIM118
-
-
 # ----------------------------------------------------------------------------------------- vs ModelOpt
 
 
@@ -336,14 +274,14 @@ def test_export_equals_modelopt_export(exported, reference, source, tokenizer_di
                 assert torch.equal(as_bytes(tensor), as_bytes(src[name])), name
 
     # hf_quant_config.json: ModelOpt's, byte for byte, apart from the producer
-    ref_hf = json.loads((ref_dir / HF_QUANT_CONFIG_FILE).read_text())
-    our_text = (out / HF_QUANT_CONFIG_FILE).read_text()
+    ref_hf = json.loads((ref_dir / QUANT_CONFIG_FILE).read_text())
+    our_text = (out / QUANT_CONFIG_FILE).read_text()
     our_hf = json.loads(our_text)
     assert our_hf["producer"] == producer and producer["name"] == "mixquant"
     assert producer["numerics"] == ref_hf["producer"] == {"name": "modelopt", "version": "0.47.0"}
     assert (
         json.dumps({**our_hf, "producer": ref_hf["producer"]}, indent=4)
-        == (ref_dir / HF_QUANT_CONFIG_FILE).read_text()
+        == (ref_dir / QUANT_CONFIG_FILE).read_text()
     )
     assert our_text == json.dumps(our_hf, indent=4)
     assert our_hf["quantization"]["quant_algo"] == "MIXED_PRECISION"
@@ -426,10 +364,10 @@ def test_quant_config_forms_equal_modelopt(placement, source, calibration_ids, t
     ours = modelopt_hf_quant_config(config, full)
     ref_cfg = json.loads((tmp_path / "config.json").read_text())
     if not placement:
-        assert ours is None and not (tmp_path / HF_QUANT_CONFIG_FILE).exists()
+        assert ours is None and not (tmp_path / QUANT_CONFIG_FILE).exists()
         assert "quantization_config" not in ref_cfg
         return
-    assert json.dumps(ours, indent=4) == (tmp_path / HF_QUANT_CONFIG_FILE).read_text()
+    assert json.dumps(ours, indent=4) == (tmp_path / QUANT_CONFIG_FILE).read_text()
     assert modelopt_quantization_config(ours) == ref_cfg["quantization_config"]
 
 
@@ -477,7 +415,7 @@ def test_sharding_options_and_determinism(source, bf16_results, tokenizer_dir, t
     for name in a["files"]:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     # all BF16 and no KV cache: nothing quantized, as ModelOpt writes no hf_quant_config.json
-    assert not (tmp_path / "a" / HF_QUANT_CONFIG_FILE).exists()
+    assert not (tmp_path / "a" / QUANT_CONFIG_FILE).exists()
     assert "quantization_config" not in json.loads((tmp_path / "a" / "config.json").read_text())
     assert read_tensors(tmp_path / "a").keys() == read_tensors(source).keys()
     assert_byte_identical(read_tensors(tmp_path / "a"), read_tensors(source))

@@ -23,22 +23,19 @@ warnings.filterwarnings("ignore", message="transformers .* is not tested")
 import modelopt  # noqa: E402
 import modelopt.torch.quantization as mtq  # noqa: E402
 from mixquant.export import predict  # noqa: E402
-from mixquant.export.inspect import (  # noqa: E402
-    CheckpointInspectionError,
-    classify_projection,
-    format_inspection,
-    inspect_checkpoint,
-)
+from mixquant.export.inspect import CheckpointInspectionError, inspect_checkpoint  # noqa: E402
+from mixquant.export.inspect_checks import classify_projection  # noqa: E402
+from mixquant.export.inspect_text import format_inspection  # noqa: E402
+from mixquant.export.metadata_estimate import estimate_metadata_bytes  # noqa: E402
 from mixquant.export.predict import (  # noqa: E402
     BF16,
     FP8,
     NVFP4,
     checkpoint_tensors,
-    estimate_metadata_bytes,
     predict_structure,
 )
 from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # noqa: E402
-from mixquant.model import layout  # noqa: E402
+from mixquant.model import layout, toy_layout  # noqa: E402
 from mixquant.quantize import reference  # noqa: E402
 from mixquant.quantize.reference import modelopt_placement_quant_cfg, modelopt_reference_export  # noqa: E402
 from safetensors import safe_open  # noqa: E402
@@ -81,7 +78,7 @@ def calibration_ids():
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, small_laguna_config):
     out = tmp_path_factory.mktemp("src")
-    layout.save_upstream_checkpoint(toy_model(small_laguna_config), out, num_shards=1)
+    toy_layout.save_upstream_checkpoint(toy_model(small_laguna_config), out, num_shards=1)
     return out
 
 

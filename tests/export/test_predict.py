@@ -7,23 +7,20 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from mixquant.export.metadata_estimate import estimate_metadata_bytes
+from mixquant.export.placement import PlacementError, load_placement, parse_placement, parse_placement_counts
 from mixquant.export.predict import (
     BF16,
     FORMATS,
     FP8,
     NVFP4,
-    PlacementError,
     checkpoint_tensors,
-    estimate_metadata_bytes,
     format_prediction,
-    load_placement,
     moe_layers,
-    parse_placement,
-    parse_placement_counts,
     predict_structure,
     resolve_placement,
 )
-from mixquant.model.layout import upstream_tensor_names
+from mixquant.model.toy_layout import upstream_tensor_names
 
 LAGUNA_S_CONFIG = Path(__file__).resolve().parents[2] / "data" / "models" / "laguna-s-2.1" / "config.json"
 RELEASE_COUNTS = {NVFP4: 39, FP8: 3, BF16: 5}

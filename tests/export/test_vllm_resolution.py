@@ -495,7 +495,7 @@ def test_modelopt_writes_the_keys_assumed_here(name, modelopt, hf_configs, tmp_p
 
 def test_repo_laguna_export_config_resolves(modelopt, small_laguna_config, tmp_path):
     """The configs mixquant.export.checkpoint writes (ModelOpt's code, producer replaced) for a Laguna."""
-    from mixquant.export.checkpoint import modelopt_hf_quant_config, modelopt_quantization_config
+    from mixquant.export.modelopt_config import modelopt_hf_quant_config, modelopt_quantization_config
     from mixquant.quantize.reference import BF16, FP8, NVFP4
 
     config = {**small_laguna_config().to_dict(), "architectures": ["LagunaForCausalLM"]}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 from mixquant.config import validate_config
-from mixquant.keys.artifacts import resolve_artifacts
+from mixquant.graph import resolve_artifacts
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 from mixquant.config import load_config_file, validate_config
+from mixquant.facts import placement_from_config
+from mixquant.graph import resolve_artifacts
 from mixquant.keys import environments
-from mixquant.keys.artifacts import placement_from_config, resolve_artifacts
 from mixquant.keys.environments import (
     SoftwareError,
     check_software,

@@ -1,5 +1,5 @@
 import pytest
-from mixquant.keys.artifacts import keyed_path
+from mixquant.graph import keyed_path
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import file_sha256
 from mixquant.keys.manifest import publish_keyed_dir, read_manifest, verify_manifest

@@ -45,6 +45,14 @@ def test_runner_is_importable_and_takes_the_rule_arguments(stage):
     assert {"settings", "preimage"} <= set(params), stage
 
 
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_cost_function_is_named_by_the_registry_and_takes_a_job(stage):
+    module, function = stage_spec(stage).cost.split(":")
+    assert module.startswith("mixquant.costs."), stage
+    cost = getattr(importlib.import_module(module), function)
+    assert cost.__code__.co_varnames[: cost.__code__.co_argcount] == ("job",), stage
+
+
 def test_the_vllm_stages_run_in_the_serve_env_only_with_the_vllm_engine():
     served = {stage for stage in STAGES if stage_env(stage, "vllm") == SERVE_ENV}
     assert served == {"reference_logits", "run_kld"}

@@ -26,7 +26,7 @@ from mixquant.kld.run import (  # noqa: E402
     run_kld,
     run_reference_logits,
 )
-from mixquant.model import layout  # noqa: E402
+from mixquant.model import toy_layout  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LagunaForCausalLM  # noqa: E402
 
@@ -63,7 +63,7 @@ def inputs(tmp_path_factory, small_laguna_config):
     model_dir = root / "model"
     model_dir.mkdir()
     (root / "prompt").mkdir()
-    layout.save_upstream_checkpoint(model, model_dir, num_shards=1)
+    toy_layout.save_upstream_checkpoint(model, model_dir, num_shards=1)
     ids = torch.randint(4, 128, (24,), generator=torch.Generator().manual_seed(1))
     save_token_ids(root / "prompt" / "prompt.safetensors", ids, {})
     reference, preimage = keyed(root, "reference_logits", {"stage": "reference_logits"})

@@ -43,14 +43,8 @@ def write_random_checkpoint(config, out: Path, *, seed: int = 0, scale: float = 
     layer, so even a large one never sits in memory), with an index; routers spread over the experts and
     a sharp lm_head so that KL scores are well above rounding noise. The float32 draws are scaled in
     place and dropped once rounded: a layer of the real Laguna size (5 GB in bf16) peaks near 11 GB."""
-    from mixquant.model.layout import (
-        CONFIG_FILE,
-        INDEX_FILE,
-        checkpoint_config_dict,
-        hf_to_upstream_state_dict,
-        layer_of,
-        write_json,
-    )
+    from mixquant.model.layout import CONFIG_FILE, INDEX_FILE, layer_of, write_json
+    from mixquant.model.toy_layout import checkpoint_config_dict, hf_to_upstream_state_dict
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from mixquant.model import layout
+from mixquant.model import layout, toy_layout
 from mixquant.model.tokenizer import SPECIAL_TOKENS
 from mixquant.model.toy import DEFAULT_TOY_ARCH, init_toy_model, to_bfloat16, toy_laguna_config
 from safetensors import safe_open
@@ -54,7 +54,7 @@ def small_model():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, small_model):
     out = tmp_path_factory.mktemp("ckpt")
-    info = layout.save_upstream_checkpoint(small_model, out, num_shards=3)
+    info = toy_layout.save_upstream_checkpoint(small_model, out, num_shards=3)
     return out, info
 
 
@@ -105,8 +105,8 @@ def test_tensor_names_are_upstream(saved, small_model):
     out, info = saved
     tensors = read_all(out)
     names = sorted(tensors, key=layout.natural_key)
-    assert names == layout.upstream_tensor_names(small_model.config)
-    assert names == layout.upstream_tensor_names(json.loads((out / "config.json").read_text()))
+    assert names == toy_layout.upstream_tensor_names(small_model.config)
+    assert names == toy_layout.upstream_tensor_names(json.loads((out / "config.json").read_text()))
     for layer in range(1, 5):
         p = f"model.layers.{layer}.mlp"
         for e in (0, 15):
@@ -129,7 +129,7 @@ def test_names_match_transformers_reverse_mapping(tmp_path, small_model):
     for shard in tmp_path.glob("*.safetensors"):
         with safe_open(shard, "pt") as handle:
             hf_names.update(handle.keys())
-    assert sorted(hf_names, key=layout.natural_key) == layout.upstream_tensor_names(small_model.config)
+    assert sorted(hf_names, key=layout.natural_key) == toy_layout.upstream_tensor_names(small_model.config)
 
 
 def test_shards_index_and_dtypes(saved):
@@ -178,7 +178,7 @@ def test_unfused_experts_match_fused(saved, small_model):
 
 def test_state_dict_roundtrip(small_model):
     state = small_model.state_dict()
-    back = layout.upstream_to_hf_state_dict(layout.hf_to_upstream_state_dict(state))
+    back = toy_layout.upstream_to_hf_state_dict(toy_layout.hf_to_upstream_state_dict(state))
     assert sorted(back) == sorted(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -204,13 +204,13 @@ def test_from_pretrained_default_dtype_is_bf16(saved):
 def test_saving_is_deterministic(tmp_path, small_model):
     for out in ("a", "b"):
         (tmp_path / out).mkdir()
-        layout.save_upstream_checkpoint(small_model, tmp_path / out, num_shards=2)
+        toy_layout.save_upstream_checkpoint(small_model, tmp_path / out, num_shards=2)
     for path in sorted((tmp_path / "a").iterdir()):
         assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
 
 
 def test_assign_shards_limits(small_model):
-    tensors = layout.hf_to_upstream_state_dict(small_model.state_dict())
+    tensors = toy_layout.hf_to_upstream_state_dict(small_model.state_dict())
     assert len(layout.assign_shards(tensors, 7)) == 7  # embed, 5 layers, norm+lm_head
     assert all(layout.assign_shards(tensors, 7))
     with pytest.raises(ValueError, match="exceeds"):

@@ -272,7 +272,7 @@ def test_stacked_branches_rank_the_layers_the_same(laguna4):
 
 def test_bytes_read_are_the_cost_models(laguna4):
     """A pass reads every tensor of the checkpoint exactly once: the cost model's bytes per pass."""
-    from mixquant.costs import geometry_from_hf_config
+    from mixquant.facts import geometry_from_hf_config
 
     geometry = geometry_from_hf_config(json.loads((laguna4 / "config.json").read_text()))
     reader = ShardReader(laguna4)

@@ -7,8 +7,10 @@ import json
 
 import pytest
 import torch
-from mixquant.model import layout
-from mixquant.model.toy import DEFAULT_TOY_TRAINING, build_toy_model, lr_at
+from mixquant.model import layout, toy_layout
+from mixquant.model.toy import DEFAULT_TOY_TRAINING
+from mixquant.model.toy_build import build_toy_model
+from mixquant.model.toy_training import lr_at
 from safetensors import safe_open
 from transformers import AutoTokenizer, LagunaForCausalLM
 
@@ -100,7 +102,7 @@ def test_build_writes_checkpoint(two_builds):
     for shard in out.glob("model-*.safetensors"):
         with safe_open(shard, "pt") as handle:
             names.update(handle.keys())
-    assert sorted(names, key=layout.natural_key) == layout.upstream_tensor_names(config)
+    assert sorted(names, key=layout.natural_key) == toy_layout.upstream_tensor_names(config)
     assert report["checkpoint"]["logits_bit_identical_after_reload"] is True
     assert report["checkpoint"]["num_shards"] == 2
     model = report["model"]

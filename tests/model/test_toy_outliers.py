@@ -20,7 +20,7 @@ def builds(tmp_path_factory):
     root = tmp_path_factory.mktemp("outliers")
     conversations = stdlib_conversations()
     plain = build(root / "plain", conversations)
-    from mixquant.model.toy import build_toy_model
+    from mixquant.model.toy_build import build_toy_model
 
     (root / "outliers").mkdir()
     report = build_toy_model(
@@ -77,7 +77,8 @@ def test_outlier_rows_and_columns_are_exact_powers_of_two(builds):
 
 
 def test_nvfp4_zeroes_the_tiny_columns_and_fp8_keeps_them(builds):
-    from mixquant.quantize.layer import dequantize_tensors, quantize_layer
+    from mixquant.formats.dequant import dequantize_tensors
+    from mixquant.quantize.layer import quantize_layer
 
     root, _, report = builds
     channels = report["outliers"][0]["channels_per_expert"][0]

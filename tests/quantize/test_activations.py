@@ -19,7 +19,7 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
 import modelopt.torch.quantization as mtq  # noqa: E402
-from mixquant.model import layout  # noqa: E402
+from mixquant.model import toy_layout  # noqa: E402
 from mixquant.model.tokenizer import SPECIAL_TOKENS  # noqa: E402
 from mixquant.model.toy import init_toy_model, to_bfloat16, toy_laguna_config  # noqa: E402
 from mixquant.quantize.activations import (  # noqa: E402
@@ -95,7 +95,7 @@ def source(tmp_path_factory):
     to_bfloat16(model)
     out = tmp_path_factory.mktemp("src")
     with quiet():
-        layout.save_upstream_checkpoint(model, out, num_shards=2)
+        toy_layout.save_upstream_checkpoint(model, out, num_shards=2)
     return out
 
 

@@ -25,20 +25,19 @@ import torch
 warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
 from mixquant.formats.cpu_fake_quant import nvfp4_static_qdq  # noqa: E402
+from mixquant.formats.dequant import dequantize_tensors  # noqa: E402
 from mixquant.formats.fp8 import mse_multipliers  # noqa: E402
 from mixquant.formats.nvfp4 import BLOCK_SIZE, shared_global_amax, sweep_nvfp4_block_amax  # noqa: E402
-from mixquant.model import layout  # noqa: E402
+from mixquant.formats.nvfp4_amax import nvfp4_block_amax, nvfp4_mse_block_amax  # noqa: E402
+from mixquant.model import layout, toy_layout  # noqa: E402
+from mixquant.model.families import default_expert_weight  # noqa: E402
+from mixquant.model.layer_reader import read_layer_experts  # noqa: E402
 from mixquant.quantize.layer import (  # noqa: E402
     AUDIT_FILE,
     INPUT_SCALE_SOURCE,
     LAYER_FILE,
     QuantizeInputError,
-    dequantize_tensors,
-    expert_weight_name,
-    nvfp4_block_amax,
-    nvfp4_mse_block_amax,
     quantize_layer,
-    read_layer_experts,
     save_layer_result,
 )
 from mixquant.quantize.reference import BF16, FP8, NVFP4, modelopt_reference_export  # noqa: E402
@@ -89,7 +88,7 @@ def source(tmp_path_factory, small_laguna_config):
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     out = tmp_path_factory.mktemp("src")
-    layout.save_upstream_checkpoint(model, out, num_shards=3)
+    toy_layout.save_upstream_checkpoint(model, out, num_shards=3)
     return out
 
 
@@ -198,7 +197,7 @@ def test_layers_byte_identical_to_modelopt_export(which, exports, source):
 def test_algorithms_discriminate(exports, source):
     """Each NVFP4 calibration gives different block scales on this weight set, so the byte checks bite."""
     src = read_layer_experts(source, 1)
-    gate, up = src[expert_weight_name(1, 0, "gate_proj")], src[expert_weight_name(1, 0, "up_proj")]
+    gate, up = src[default_expert_weight(1, 0, "gate_proj")], src[default_expert_weight(1, 0, "up_proj")]
     g = shared_global_amax(gate, up)
     amax = {c: nvfp4_block_amax(gate, g, c) for c in ("fp8_sweep", "max", "mse")}
     assert not torch.equal(amax["fp8_sweep"], amax["max"])
@@ -273,11 +272,11 @@ def test_audit_dequantize_and_save(source, tmp_path):
     # dequantization == ModelOpt's export round trip / fp8 * scale
     tensors, audit = results[NVFP4]
     deq = dequantize_tensors(tensors)
-    gate, up = src[expert_weight_name(1, 3, "gate_proj")], src[expert_weight_name(1, 3, "up_proj")]
+    gate, up = src[default_expert_weight(1, 3, "gate_proj")], src[default_expert_weight(1, 3, "up_proj")]
     g = shared_global_amax(gate, up)
     qdq = nvfp4_static_qdq(up.float().reshape(-1, BLOCK_SIZE), sweep_nvfp4_block_amax(up, g), g)
-    assert torch.equal(deq[expert_weight_name(1, 3, "up_proj")], qdq.reshape(up.shape).to(torch.bfloat16))
-    entry = audit["tensors"][expert_weight_name(1, 3, "up_proj")]
+    assert torch.equal(deq[default_expert_weight(1, 3, "up_proj")], qdq.reshape(up.shape).to(torch.bfloat16))
+    entry = audit["tensors"][default_expert_weight(1, 3, "up_proj")]
     assert entry["dtype"] == "uint8" and set(entry["exported"]) == {
         "weight",
         "weight_scale",
@@ -321,7 +320,7 @@ def fake_checkpoint(
         for e in range(experts):
             shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
             for proj, shape in shapes.items():
-                name = expert_weight_name(layer, e, proj)
+                name = default_expert_weight(layer, e, proj)
                 if name not in drop:
                     tensors[name] = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
     directory.mkdir(parents=True, exist_ok=True)
@@ -347,7 +346,7 @@ def raises_one_line(func, *args, match: list[str], **kwargs) -> str:
 
 def test_nvfp4_inner_dim_not_multiple_of_16(tmp_path):
     fake_checkpoint(tmp_path, hidden=24, inter=16)
-    gate = expert_weight_name(1, 0, "gate_proj")
+    gate = default_expert_weight(1, 0, "gate_proj")
     raises_one_line(
         quantize_layer, tmp_path, 1, NVFP4, {"calibration": "fp8_sweep"}, match=["layer 1", gate, "24"]
     )
@@ -361,7 +360,7 @@ def test_nvfp4_inner_dim_not_multiple_of_16(tmp_path):
     )
     assert tensors[gate].dtype == torch.float8_e4m3fn and tensors[gate].shape == (16, 24)
     fake_checkpoint(tmp_path / "down", hidden=32, inter=40)
-    down = expert_weight_name(1, 0, "down_proj")
+    down = default_expert_weight(1, 0, "down_proj")
     raises_one_line(
         quantize_layer, tmp_path / "down", 1, NVFP4, {"calibration": "max"}, match=["layer 1", down, "40"]
     )
@@ -370,7 +369,7 @@ def test_nvfp4_inner_dim_not_multiple_of_16(tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_source_weight(tmp_path, bad):
     tensors = fake_checkpoint(tmp_path, experts=3)
-    name = expert_weight_name(1, 2, "up_proj")
+    name = default_expert_weight(1, 2, "up_proj")
     tensors[name][3, 5] = bad
     save_file(tensors, str(tmp_path / shard_of(tmp_path, name)))  # the only shard
     kind = "NaN" if bad != bad else "Inf"
@@ -381,8 +380,8 @@ def test_non_finite_source_weight(tmp_path, bad):
 
 def test_truncated_or_corrupt_shard(tmp_path):
     fake_checkpoint(tmp_path, layers=(1, 2), num_shards=2)
-    shard1 = tmp_path / shard_of(tmp_path, expert_weight_name(1, 0, "gate_proj"))
-    shard2 = tmp_path / shard_of(tmp_path, expert_weight_name(2, 0, "gate_proj"))
+    shard1 = tmp_path / shard_of(tmp_path, default_expert_weight(1, 0, "gate_proj"))
+    shard2 = tmp_path / shard_of(tmp_path, default_expert_weight(2, 0, "gate_proj"))
     assert shard1 != shard2
     data = shard2.read_bytes()
     shard2.write_bytes(data[:-10])  # a download cut short
@@ -403,7 +402,7 @@ def test_truncated_or_corrupt_shard(tmp_path):
 
 def test_missing_tensor(tmp_path):
     # absent from shard and index, found via the index's expert ids
-    name = expert_weight_name(1, 1, "down_proj")
+    name = default_expert_weight(1, 1, "down_proj")
     fake_checkpoint(tmp_path / "a", experts=3, drop=(name,))
     raises_one_line(read_layer_experts, tmp_path / "a", 1, match=["layer 1", name, "missing"])
     raises_one_line(
@@ -416,7 +415,7 @@ def test_missing_tensor(tmp_path):
         activation_amax={"gate_up": 1.0, "down": 1.0},
     )
     # the last expert absent altogether: only config.json's num_experts can tell
-    last = expert_weight_name(1, 3, "gate_proj")
+    last = default_expert_weight(1, 3, "gate_proj")
     config = {"num_experts": 4, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"]}
     fake_checkpoint(tmp_path / "b", experts=3, config=config)
     raises_one_line(read_layer_experts, tmp_path / "b", 1, match=["layer 1", last, "missing"])

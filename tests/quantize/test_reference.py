@@ -29,7 +29,7 @@ from mixquant.formats.nvfp4 import (  # noqa: E402
     shared_global_amax,
     sweep_nvfp4_block_amax,
 )
-from mixquant.model import layout  # noqa: E402
+from mixquant.model import toy_layout  # noqa: E402
 from mixquant.quantize.reference import (  # noqa: E402
     BF16,
     FP8,
@@ -83,7 +83,7 @@ def source(tmp_path_factory, small_laguna_config):
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     out = tmp_path_factory.mktemp("src")
-    layout.save_upstream_checkpoint(model, out, num_shards=2)
+    toy_layout.save_upstream_checkpoint(model, out, num_shards=2)
     return out
 
 

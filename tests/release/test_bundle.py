@@ -128,8 +128,8 @@ def test_release_layout_card_recipe_and_manifest(upstream, tmp_path):
 
 
 def test_release_ships_the_reference_logits_and_the_decisive_fingerprint(upstream, tmp_path, decisive):
+    from mixquant.release.closeness import published_logits
     from mixquant.release.hashes import reference_logits_hash
-    from mixquant.release.verify import published_logits
 
     keyed = _release(upstream, tmp_path)
     out = keyed / "repo"

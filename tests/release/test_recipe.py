@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from mixquant.config import ConfigError, load_config_file
-from mixquant.keys.artifacts import resolve_artifacts
+from mixquant.graph import resolve_artifacts
 from mixquant.release.recipe import (
     explicit_placement,
     layer_ranges,

@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 from mixquant.config import validate_config
-from mixquant.keys.artifacts import resolve_artifacts
+from mixquant.graph import resolve_artifacts
 from mixquant.keys.manifest import read_manifest
 from mixquant.release.hashes import HASH_NAMES, HashSourceError, release_hashes
-from mixquant.release.verify import (
+from mixquant.release.report import (
     DIFFERENT,
     EQUAL,
     MATCH,
@@ -27,10 +27,8 @@ from mixquant.release.verify import (
     VerifyInputError,
     format_report,
     mismatch_line,
-    run_verify_hashes,
-    verify_artifacts,
-    verify_dirs,
 )
+from mixquant.release.verify import run_verify_hashes, verify_artifacts, verify_dirs
 from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -419,15 +417,18 @@ def test_against_a_record_of_other_logits_is_refused(release_dirs, two_logits, t
 
 def test_cli_exit_codes_strict_and_not(release_dirs, two_logits, tmp_path, monkeypatch, capsys, decisive):
     import mixquant.cli as cli
+    import mixquant.cli.verify as cli_verify
 
     def art(path):
         return SimpleNamespace(path=path, done=True)
 
     artifacts = {name: art(release_dirs[name]) for name in ("prompt", "reference_logits", "checkpoint")}
     published = {**two_logits, "numerics": _other_numerics(decisive)}
-    monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(published=published, results_dir="r"))
-    monkeypatch.setattr(cli, "_artifacts", lambda cfg, args: artifacts)
-    monkeypatch.setattr("mixquant.keys.artifacts.made_from", lambda artifacts, cfg: None)  # no recipes pinned
+    monkeypatch.setattr(
+        cli_verify, "load_config", lambda args: SimpleNamespace(published=published, results_dir="r")
+    )
+    monkeypatch.setattr(cli_verify, "planned_artifacts", lambda cfg, args: artifacts)
+    monkeypatch.setattr(cli_verify, "made_from", lambda artifacts, cfg: None)  # no recipes pinned
     assert cli.main(["verify"]) == 0
     assert "not reproducible bit for bit here" in capsys.readouterr().out.splitlines()[-1]
     assert cli.main(["verify", "--strict"]) == 1
@@ -449,7 +450,7 @@ def test_reference_logits_record_the_fingerprint_verify_compares(release_dirs, s
     from mixquant.calibration.tokens import save_token_ids
     from mixquant.keys.canonical import canonical_sha256
     from mixquant.kld.run import run_reference_logits
-    from mixquant.model import layout
+    from mixquant.model import toy_layout
     from mixquant.numerics import fingerprint
     from transformers import LagunaForCausalLM
 
@@ -458,7 +459,7 @@ def test_reference_logits_record_the_fingerprint_verify_compares(release_dirs, s
     for parameter in model.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
     (tmp_path / "model").mkdir()
-    layout.save_upstream_checkpoint(model, tmp_path / "model", num_shards=1)
+    toy_layout.save_upstream_checkpoint(model, tmp_path / "model", num_shards=1)
     engine = {"engine": "hf", "tensor_parallel_size": 1, "dtype": "bfloat16", "enforce_eager": True}
     engine |= {"seed": 0, "enable_prefix_caching": False, "max_model_len": None}
     preimage = {"stage": "reference_logits", "label": "fingerprint"}
@@ -619,7 +620,7 @@ def test_a_recipe_is_what_an_artifact_is_made_from(explicit_raw):
 
 
 def test_a_recipe_leaves_out_the_packages_and_code_the_key_holds(explicit_raw, monkeypatch):
-    import mixquant.keys.artifacts as artifacts_module
+    import mixquant.graph.artifact as artifacts_module
 
     base = resolve_artifacts(validate_config(explicit_raw))
     real = artifacts_module.stage_preimage

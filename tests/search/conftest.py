@@ -8,7 +8,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def small_laguna(tmp_path_factory, small_laguna_config):
-    from mixquant.model import layout
+    from mixquant.model import toy_layout
     from transformers import LagunaForCausalLM
 
     config = small_laguna_config()
@@ -26,7 +26,7 @@ def small_laguna(tmp_path_factory, small_laguna_config):
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     out = tmp_path_factory.mktemp("small-laguna")
-    layout.save_upstream_checkpoint(model, out, num_shards=2)
+    toy_layout.save_upstream_checkpoint(model, out, num_shards=2)
     return out
 
 

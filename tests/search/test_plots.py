@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 from mixquant.search import plots
+from mixquant.search.groups import FORMAT_BITS, SearchGroup
+from mixquant.search.ilp import solve_ilp
 from mixquant.search.plots import plot_frontier, plot_score_heatmap
-from mixquant.search.solve import FORMAT_BITS, SearchGroup, frontier, solve_ilp
+from mixquant.search.solve import frontier
 
 NV, FP8, BF16 = FORMAT_BITS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

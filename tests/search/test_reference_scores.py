@@ -14,13 +14,9 @@ warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
 import modelopt.torch.quantization as mtq  # noqa: E402
 from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # noqa: E402
-from mixquant.model import layout  # noqa: E402
-from mixquant.search.reference import (  # noqa: E402
-    BF16,
-    MODELOPT_FORMATS,
-    experts_module_name,
-    modelopt_kl_div_scores,
-)
+from mixquant.model import toy_layout  # noqa: E402
+from mixquant.model.families import experts_module_name  # noqa: E402
+from mixquant.search.reference import BF16, MODELOPT_FORMATS, modelopt_kl_div_scores  # noqa: E402
 from transformers import LagunaForCausalLM  # noqa: E402
 
 torch.set_num_threads(1)
@@ -57,7 +53,7 @@ def model_dir(tmp_path_factory, small_laguna_config):
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     out = tmp_path_factory.mktemp("laguna")
-    layout.save_upstream_checkpoint(model, out, num_shards=2)
+    toy_layout.save_upstream_checkpoint(model, out, num_shards=2)
     return out
 
 

@@ -6,7 +6,7 @@ import csv
 import json
 
 import pytest
-from mixquant.export.predict import load_placement
+from mixquant.export.placement import load_placement
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.manifest import verify_manifest
 from mixquant.search.run import PlacementSearchError, run_solve_placement, search_groups

@@ -11,21 +11,19 @@ from collections import defaultdict
 from fractions import Fraction
 
 import pytest
-from mixquant.search.solve import (
+from mixquant.search.groups import (
     BUDGET_TOL,
     FORMAT_BITS,
-    FRONTIER_POINTS,
     PlacementInfeasible,
     PlacementSolution,
     SearchGroup,
     effective_bits,
-    frontier,
     max_effective_bits,
     min_effective_bits,
-    solve_ilp,
-    solve_minimax,
-    solve_placement,
 )
+from mixquant.search.ilp import solve_ilp
+from mixquant.search.minimax import solve_minimax
+from mixquant.search.solve import FRONTIER_POINTS, frontier, solve_placement
 
 FORMATS = list(FORMAT_BITS)
 NV, FP8, BF16 = FORMATS

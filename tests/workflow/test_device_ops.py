@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
 from cuda_alerts import OpRecorder, recording  # noqa: E402
 from family_models import make_instance  # noqa: E402
 from mixquant.config import load_config_file, parse_layer_ranges  # noqa: E402
-from mixquant.keys.artifacts import placement_pins, resolve_artifacts  # noqa: E402
+from mixquant.facts import placement_pins  # noqa: E402
+from mixquant.graph import resolve_artifacts  # noqa: E402
 from mixquant.keys.stages import STAGES  # noqa: E402
 from mixquant.model.families import architecture  # noqa: E402
 from mixquant.model.fetch import identity_sha256, local_dir_identity  # noqa: E402

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from mixquant.cli import parse_dry_run
+from mixquant.cluster import parse_dry_run
 from mixquant.keys.hashing import file_sha256
 from mixquant.keys.manifest import read_manifest, verify_manifest
 from mixquant.release.bundle import shipped_document

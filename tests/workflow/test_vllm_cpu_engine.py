@@ -129,8 +129,9 @@ def test_fresh_processes_are_bit_identical_and_the_self_check_is_exactly_zero(vl
 
 
 def test_logits_agree_with_the_hf_engine(vllm_run):
-    from mixquant.kld.engines import EngineSettings, open_engine
+    from mixquant.kld.engines import open_engine
     from mixquant.kld.run import _prompt_ids
+    from mixquant.kld.settings import EngineSettings
     from mixquant.kld.stats import kld_statistics
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -1,7 +1,7 @@
 """Cluster glue: per-job resource requests, the dry-run plan with cost estimates, and resuming a killed run.
 
 The numbers come from :mod:`mixquant.costs` (the cost model, from the model geometry alone); this module
-maps workflow jobs (artifacts) onto it and reads ``snakemake -n``.
+maps workflow jobs (artifacts) onto it and reads ``snakemake -n`` (the one parser of its output).
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixquant.checkpoint.atomic import write_text_atomic
 from mixquant.config import MixquantConfig
-from mixquant.costs import Geometry, StageCost, job_gpus, model_geometry, rule_resources, stage_cost
-from mixquant.keys.artifacts import Artifact
+from mixquant.costs import StageCost, job_gpus, rule_resources, stage_cost
+from mixquant.facts import FALLBACK_REQUEST, Geometry
+from mixquant.graph import Artifact
+from mixquant.rulelog import existing_ancestor
 
 KEY_IN_PATH = re.compile(r"/([0-9a-f]{64})(?:/|$)")
 
@@ -38,32 +41,6 @@ def job_shape(art: Artifact) -> dict[str, Any]:
         return {"sequences": int(stop) - int(first)}
     layers = settings.get("layers")
     return {"fmt": settings.get("format"), "layers": len(layers) if isinstance(layers, list) else 1}
-
-
-def planning_geometry(cfg: MixquantConfig, root: Path = Path(".")) -> Geometry | None:
-    """The geometry for resource requests, or None where a real model names no config.json."""
-    if cfg.model.source != "toy" and cfg.model.geometry is None:
-        return None
-    return model_geometry(cfg, root)
-
-
-# Requests for a job whose model has no geometry on file (a hub model without model.geometry).
-FALLBACK_REQUEST = {"mem_mb": 4000, "runtime": 60, "disk_mb": 50000}
-
-
-def geometry_missing_line(cfg: MixquantConfig) -> str | None:
-    """What planning cannot estimate without a geometry on file, why, and the fix; None with one."""
-    if cfg.model.source == "toy" or cfg.model.geometry is not None:
-        return None
-    hub, local = cfg.model.hub, cfg.model.local
-    model = f"{hub.repo} at revision {hub.revision}" if cfg.model.source == "hub" and hub else local.path
-    return (
-        f"model.geometry is not set ({cfg.model.source} model {model}): without the model's config.json "
-        "planning estimates no memory, time or disk, and every job requests the same "
-        + ", ".join(f"{name}={value}" for name, value in FALLBACK_REQUEST.items())
-        + " (runtime in minutes); set model.geometry to a copy of the pinned revision's config.json in the "
-        "working directory (as config/laguna-s-2.1.yaml does)"
-    )
 
 
 def job_request(cfg: MixquantConfig, geometry: Geometry | None, art: Artifact, attempt: int = 1) -> dict:
@@ -124,6 +101,20 @@ def parse_dry_run_jobs(text: str) -> list[PlannedJob]:
                     part.strip().split("=", 1) for part in value.split(", ") if "=" in part
                 )
     return [job for job in jobs if job.rule != "all"]
+
+
+def parse_dry_run(text: str) -> dict[str, dict[str, Any]]:
+    """{rule: {"jobs": n, "reasons": {reason: count}}} from the text of `snakemake -n` (its jobs by rule,
+    in printed order, each reason counted once per job that gives it)."""
+    rules: dict[str, dict[str, Any]] = {}
+    for job in parse_dry_run_jobs(text):
+        row = rules.setdefault(job.rule, {"jobs": 0, "reasons": {}})
+        row["jobs"] += 1
+        if job.reason:
+            for part in job.reason.split(";"):
+                reason = part.split(":")[0].strip()
+                row["reasons"][reason] = row["reasons"].get(reason, 0) + 1
+    return rules
 
 
 # ---------------------------------------------------------------------------------------- estimates
@@ -341,8 +332,7 @@ def record_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
     pid = os.getpid()
     owner = {"pid": pid, "host": socket.gethostname(), "start": _process_start(pid)}
     path = Path(snakemake_dir) / OWNER_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(owner))
+    write_text_atomic(path, json.dumps(owner))
 
 
 def release_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
@@ -359,8 +349,6 @@ def release_run_owner(snakemake_dir: str | Path = ".snakemake") -> None:
 def disk_space_warning(results_dir: str | Path, bytes_to_write: int, free: int | None = None) -> str | None:
     """A warning when a plan writes more than the results filesystem has free (None when it fits)."""
     if free is None:
-        from mixquant.rulelog import existing_ancestor
-
         free = shutil.disk_usage(existing_ancestor(Path(results_dir).absolute())).free
     if bytes_to_write <= free:
         return None

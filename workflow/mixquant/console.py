@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from mixquant.keys.artifacts import Artifact
+from mixquant.graph import Artifact
 
 # Snakemake's scheduler lines between jobs: said again for every job, they add nothing to the job lines
 _SCHEDULER_CHATTER = ("Select jobs to execute...",)

@@ -1,4 +1,8 @@
-"""Named points where the reliability tests stop a run to kill it (tests/workflow/test_kill_campaign.py).
+"""What a failure means: a full disk behind any error, and the named points where the reliability tests
+stop a run to kill it (tests/workflow/test_kill_campaign.py).
+
+:func:`disk_full` finds the ENOSPC / EDQUOT behind an error, also where a library re-raised it as its own
+(the job's one line and a keyed directory's publication name the disk, not the library).
 
 ``point(name, stage)`` does nothing unless ``MIXQUANT_FAULT_POINT`` names it (``name`` or
 ``name@stage``). Then the process writes ``MIXQUANT_FAULT_MARK`` (its pid and the point) and stops
@@ -10,12 +14,29 @@ manifest written, the rename that publishes it, and inside long computations (a 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
-from pathlib import Path
+
+from mixquant.checkpoint.atomic import write_text_atomic
 
 POINT_ENV = "MIXQUANT_FAULT_POINT"
 MARK_ENV = "MIXQUANT_FAULT_MARK"
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(error: BaseException) -> OSError | bool:
+    """The OSError (ENOSPC / EDQUOT) behind ``error``, also where a library re-raised it as its own
+    exception (safetensors: "No space left on device (os error 28)"); else False."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            return error
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return error if isinstance(error, OSError) else True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def point(name: str, stage: str | None = None) -> None:
@@ -26,7 +47,5 @@ def point(name: str, stage: str | None = None) -> None:
     mark = os.environ.get(MARK_ENV)
     if not mark:
         os.killpg(os.getpgid(0), signal.SIGKILL)
-    tmp = Path(f"{mark}.{os.getpid()}")
-    tmp.write_text(f"{os.getpid()} {name} {stage or ''}\n")
-    os.replace(tmp, mark)
+    write_text_atomic(mark, f"{os.getpid()} {name} {stage or ''}\n")
     os.kill(os.getpid(), signal.SIGSTOP)

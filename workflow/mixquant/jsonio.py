@@ -1,14 +1,14 @@
-"""Reading a JSON file with one-line errors that name the file (each caller picks its error class), the
-leaf-level differences between two JSON values, and the temporary file beside a path that every
-write-then-rename in mixquant starts from."""
+"""Reading a JSON file with one-line errors that name the file (each caller picks its error class), writing
+one atomically (:mod:`mixquant.checkpoint.atomic`), and the leaf-level differences between two JSON
+values."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from mixquant.checkpoint.atomic import atomic_open
 
 MAX_JSON_BYTES = 64 << 20  # the largest JSON file mixquant reads (a 1T model's index is a few MB)
 
@@ -62,42 +62,11 @@ def read_json(
         raise error(f"{prefix}: corrupt {what} ({str(exc)[:200]})") from exc
 
 
-def process_umask() -> int:
-    """The process's file-mode creation mask, read without changing it (Linux reports it in
-    /proc/self/status; elsewhere it is set and restored at once)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def temporary_beside(path: str | Path) -> tuple[int, str]:
-    """``(fd, name)`` of a new file in ``path``'s directory, named after it, for a write that is renamed
-    onto ``path``. Its mode is what a plain ``open`` would give under the umask (``tempfile.mkstemp``
-    makes it 0600, so a group sharing a results store could not read what is renamed into it)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~process_umask())
-    return fd, tmp
-
-
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file beside it and a rename: a reader sees
     the old file or the new one, never a part (the temporary file does not survive a failure)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_open(path, "w", encoding="utf-8") as out:
+        json.dump(data, out)
 
 
 def diff_values(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:

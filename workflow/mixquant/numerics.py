@@ -260,7 +260,7 @@ def _cpu_model() -> dict[str, str]:
 
 
 # Every field a decisive fingerprint may hold: fingerprint()'s (host_isa under native only) and what the
-# vllm engine adds (mixquant.kld.engines). Config published.numerics refuses any other, since a mistyped
+# vllm engine adds (mixquant.kld.vllm_engine). Config published.numerics refuses any other, since a mistyped
 # field would make two fingerprints differ and so excuse a logits mismatch (mixquant.release.verify).
 DECISIVE_FIELDS = (
     "device",

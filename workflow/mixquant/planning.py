@@ -8,16 +8,22 @@ on a layer that is not a MoE layer) stops here, as one ``ConfigError`` line nami
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixquant.cluster import geometry_missing_line
 from mixquant.config import ConfigError, MixquantConfig, parse_layer_ranges
-from mixquant.keys.artifacts import Artifact, moe_layers
+from mixquant.facts import geometry_missing_line, moe_layers, placement_pins, planning_model_config
+from mixquant.graph import Artifact, made_from, resolve_artifacts
+from mixquant.keys.stages import SERVE_ENV, STAGES, stage_env
+from mixquant.model.families import FAMILIES, UnsupportedArchitecture, architecture
+from mixquant.release.bundle import REPO_DIR
+from mixquant.release.published import planned_comparability
+from mixquant.release.recipe import layer_ranges
 from mixquant.rulelog import failure_marker, stage_log_path
+from mixquant.search.groups import BUDGET_TOL, max_effective_bits, min_effective_bits
+from mixquant.search.run import search_groups
 
 ALLOW_OUTSIDE = "set allow_outside_workdir: true to allow it"
 
@@ -98,29 +104,6 @@ def outside_workdir(value: str, root: Path = Path(".")) -> str | None:
 # --------------------------------------------------------------------------------------- geometry
 
 
-def planning_model_config(cfg: MixquantConfig, source: str, root: Path = Path(".")) -> dict | None:
-    """The model's config.json as planning knows it: the toy's, model.geometry, or a local model's own
-    config.json; None for a hub model without model.geometry."""
-    if cfg.model.source == "toy":
-        from mixquant.costs import toy_geometry
-
-        arch = cfg.model.toy.arch
-        return {**toy_geometry(cfg).to_hf_config(), "max_position_embeddings": arch.max_position_embeddings}
-    if cfg.model.geometry is not None:
-        key, path = "model.geometry", Path(root) / cfg.model.geometry
-    elif cfg.model.local is not None and (Path(root) / cfg.model.local.path / "config.json").is_file():
-        key, path = "model.local.path", Path(root) / cfg.model.local.path / "config.json"
-    else:
-        return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{source}: config key '{key}': cannot read {path} ({error})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{source}: config key '{key}': {path} is not a config.json object")
-    return config
-
-
 def _context_key(cfg: MixquantConfig) -> str:
     if cfg.model.source == "toy":
         return "model.toy.arch.max_position_embeddings"
@@ -153,8 +136,6 @@ def _check_architecture(cfg: MixquantConfig, source: str, model_config: dict | N
     """A model type some family covers (mixquant.model.families), whose MoE layers model.moe_layers names."""
     if cfg.model.source == "toy" or not model_config or "model_type" not in model_config:
         return
-    from mixquant.model.families import UnsupportedArchitecture, architecture
-
     key = _context_key(cfg)
     try:
         arch = architecture(model_config)
@@ -171,8 +152,6 @@ def _check_architecture(cfg: MixquantConfig, source: str, model_config: dict | N
             f"(set it to null for {arch.model_type})"
         )
     if cfg.model.moe_layers is not None and moe_layers(cfg) != list(arch.moe_layers):
-        from mixquant.release.recipe import layer_ranges
-
         raise ConfigError(
             f"{source}: config key 'model.moe_layers': {cfg.model.moe_layers!r}, but the {arch.model_type} "
             f"model's MoE layers are {layer_ranges(list(arch.moe_layers))}"
@@ -180,8 +159,6 @@ def _check_architecture(cfg: MixquantConfig, source: str, model_config: dict | N
 
 
 def _kv_model_types() -> list[str]:
-    from mixquant.model.families import FAMILIES
-
     return sorted(
         t for family in FAMILIES if getattr(family, "KV_CACHE_SCALES", False) for t in family.MODEL_TYPES
     )
@@ -214,8 +191,6 @@ def _check_layers(cfg: MixquantConfig, source: str, model_config: dict | None) -
     for key, text in named:
         missing = [layer for layer in parse_layer_ranges(text) if layer not in known]
         if missing:
-            from mixquant.release.recipe import layer_ranges
-
             raise ConfigError(
                 f"{source}: config key '{key}': layer {missing[0]} is not a MoE layer "
                 f"(the MoE layers are {layer_ranges(layers)})"
@@ -225,10 +200,6 @@ def _check_layers(cfg: MixquantConfig, source: str, model_config: dict | None) -
 def effective_bits_range(cfg: MixquantConfig, model_config: dict | None = None) -> tuple[float, float]:
     """(cheapest, most expensive) routed effective bits a placement can reach under the formats and pins,
     on the groups solve_placement builds (mixquant.search.run.search_groups)."""
-    from mixquant.keys.artifacts import placement_pins
-    from mixquant.search.run import search_groups
-    from mixquant.search.solve import max_effective_bits, min_effective_bits
-
     layers = moe_layers(cfg)
     settings = {
         "moe_layers": layers,
@@ -242,9 +213,6 @@ def effective_bits_range(cfg: MixquantConfig, model_config: dict | None = None) 
 
 
 def _check_budget(cfg: MixquantConfig, source: str, model_config: dict | None) -> None:
-    from mixquant.keys.artifacts import placement_pins
-    from mixquant.search.solve import BUDGET_TOL
-
     try:
         low, high = effective_bits_range(cfg, model_config)
     except ValueError as error:  # a config.json without the MoE geometry
@@ -273,8 +241,6 @@ def artifact_state(art: Artifact, results_dir: str | Path) -> str:
 
 def run_end_lines(artifacts: dict[str, Artifact], succeeded: bool = True) -> list[str]:
     """What a finished run prints: where the release and the checkpoint are (those that are built)."""
-    from mixquant.release.bundle import REPO_DIR
-
     lines = [
         f"mixquant run {label}: {artifacts[name].path}{suffix}"
         for name, label, suffix in (("release", "release", f"/{REPO_DIR}"), ("checkpoint", "checkpoint", ""))
@@ -464,8 +430,6 @@ def check_device(cfg: MixquantConfig, local: bool, source: str = "config") -> No
 def check_vllm(cfg: MixquantConfig, deployment: str, stages: set[str], source: str = "config") -> None:
     """At a run's start: one line (:func:`vllm_missing`) when a job about to run is a vLLM stage and vLLM is
     not where it would run."""
-    from mixquant.keys.stages import SERVE_ENV, STAGES, stage_env
-
     if any(stage in STAGES and stage_env(stage, cfg.kld.engine) == SERVE_ENV for stage in stages) and (
         line := vllm_missing(cfg, deployment)
     ):
@@ -478,9 +442,6 @@ def plan_warnings(cfg: MixquantConfig, artifacts: dict | None = None) -> list[st
     model's geometry; and, given the planned ``artifacts``, the published hashes they cannot match."""
     warnings = [line] if (line := geometry_missing_line(cfg)) else []
     if artifacts is not None:
-        from mixquant.keys.artifacts import made_from
-        from mixquant.release.published import planned_comparability
-
         if line := planned_comparability(cfg.published, made_from(artifacts, cfg)):
             warnings.append(line)
     if cfg.release.repo_id is None:
@@ -510,8 +471,7 @@ def report_run_end(
 ) -> list[str]:
     """run_end_lines on the graph as it stands now (the placement included once it is solved), after a
     successful run's summary of what it made (mixquant.release.summary)."""
-    from mixquant.keys.artifacts import resolve_artifacts
-    from mixquant.release.summary import run_summary  # reads the outputs (imports torch): at the end only
+    from mixquant.release.summary import run_summary  # lazy: imports torch (reads the outputs at the end)
 
     try:
         artifacts = resolve_artifacts(cfg, hash_cache_dir=hash_cache_dir, deployment=deployment)

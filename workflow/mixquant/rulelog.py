@@ -6,7 +6,6 @@ holding the one line), removed when the stage runs again: `mixquant paths` shows
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 import sys
@@ -15,6 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from mixquant.faults import disk_full
+from mixquant.keys.environments import check_software
+from mixquant.numerics import enter
 
 
 def stage_log_path(results_dir: str | Path, stage: str, key: str) -> Path:
@@ -25,22 +28,6 @@ def stage_log_path(results_dir: str | Path, stage: str, key: str) -> Path:
 def failure_marker(log_path: str | Path) -> Path:
     """The failure marker beside a stage's log: <key>.failed next to <key>.log."""
     return Path(log_path).with_suffix(".failed")
-
-
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def disk_full(error: BaseException) -> OSError | bool:
-    """The OSError (ENOSPC / EDQUOT) behind ``error``, also where a library re-raised it as its own
-    exception (safetensors: "No space left on device (os error 28)"); else False."""
-    seen = 0
-    while error is not None and seen < 16:
-        if isinstance(error, OSError) and error.errno in _DISK_FULL:
-            return error
-        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
-            return error if isinstance(error, OSError) else True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
 
 
 def existing_ancestor(path: str | Path) -> Path:
@@ -74,8 +61,6 @@ def check_job_software(stage: Any) -> None:
     software = (stage.get("settings") or {}).get("software") or {}
     if software.get("python"):
         return
-    from mixquant.keys.environments import check_software
-
     check_software(stage["preimage"], software)
 
 
@@ -102,8 +87,6 @@ def rule_logging(log_path: str, stage: Any = None, resources: Any = None) -> Ite
         check_job_software(stage)
         numerics = (stage or {}).get("settings", {}).get("numerics") if hasattr(stage, "get") else None
         if numerics:
-            from mixquant.numerics import enter
-
             logging.getLogger("mixquant.numerics").info(
                 "numerics %s",
                 enter(numerics["profile"], numerics["threads"], numerics.get("device", "cpu")),

@@ -22,4 +22,4 @@ rule sample_calibration:
     params:
         stage=stage_params("calibration"),
     script:
-        "../scripts/sample_calibration.py"
+        "../scripts/run_stage.py"

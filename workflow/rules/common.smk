@@ -10,9 +10,7 @@ from snakemake.utils import validate
 from mixquant.cluster import (
     active_run_line,
     clear_stale_lock,
-    geometry_missing_line,
     job_request,
-    planning_geometry,
     record_run_owner,
     release_run_owner,
 )
@@ -20,7 +18,8 @@ from mixquant.faults import point as fault_point
 from mixquant.console import job_name as console_job_name, quiet_console
 from mixquant.interrupt import interrupted_line, watch_interrupt
 from mixquant.config import ConfigError, select_workflow_config, validate_config
-from mixquant.keys.artifacts import (
+from mixquant.facts import geometry_missing_line, planning_geometry
+from mixquant.graph import (
     artifact_by_key,
     final_targets,
     made_from,

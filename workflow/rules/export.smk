@@ -25,4 +25,4 @@ rule export_checkpoint:
     params:
         stage=keyed_params,
     script:
-        "../scripts/export_checkpoint.py"
+        "../scripts/run_stage.py"

@@ -26,7 +26,7 @@ rule reference_logits:
     params:
         stage=keyed_params,
     script:
-        "../scripts/reference_logits.py"
+        "../scripts/run_stage.py"
 
 
 rule run_kld:
@@ -52,7 +52,7 @@ rule run_kld:
     params:
         stage=keyed_params,
     script:
-        "../scripts/run_kld.py"
+        "../scripts/run_stage.py"
 
 
 rule gate_kld:
@@ -76,7 +76,7 @@ rule gate_kld:
     params:
         stage=keyed_params,
     script:
-        "../scripts/gate_kld.py"
+        "../scripts/run_stage.py"
 
 
 rule kld_report:
@@ -105,7 +105,7 @@ rule kld_report:
     params:
         stage=keyed_params,
     script:
-        "../scripts/kld_report.py"
+        "../scripts/run_stage.py"
 
 
 rule check_kld_gates:
@@ -129,4 +129,4 @@ rule check_kld_gates:
     params:
         stage=keyed_params,
     script:
-        "../scripts/check_kld_gates.py"
+        "../scripts/run_stage.py"

@@ -24,7 +24,7 @@ if CFG.model.source == "toy":
         params:
             stage=stage_params("model"),
         script:
-            "../scripts/build_toy_model.py"
+            "../scripts/run_stage.py"
 
 
 # Real models and external KLD candidates: pinned by hub revision or by local content.
@@ -49,7 +49,7 @@ rule fetch_model:
     params:
         stage=keyed_params,
     script:
-        "../scripts/fetch_model.py"
+        "../scripts/run_stage.py"
 
 
 # A source published in block FP8 (DeepSeek-V3, MiniMax-M2) becomes the BF16 source every stage reads.
@@ -76,4 +76,4 @@ rule dequantize_source:
     params:
         stage=keyed_params,
     script:
-        "../scripts/dequantize_source.py"
+        "../scripts/run_stage.py"

@@ -22,4 +22,4 @@ rule pin_prompt:
     params:
         stage=stage_params("prompt"),
     script:
-        "../scripts/pin_prompt.py"
+        "../scripts/run_stage.py"

@@ -25,7 +25,7 @@ rule collect_activation_stats:
     params:
         stage=stage_params("activations"),
     script:
-        "../scripts/collect_activation_stats.py"
+        "../scripts/run_stage.py"
 
 
 rule quantize_layer:
@@ -51,4 +51,4 @@ rule quantize_layer:
     params:
         stage=keyed_params,
     script:
-        "../scripts/quantize_layer.py"
+        "../scripts/run_stage.py"

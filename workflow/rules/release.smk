@@ -25,4 +25,4 @@ rule assemble_release:
     params:
         stage=keyed_params,
     script:
-        "../scripts/assemble_release.py"
+        "../scripts/run_stage.py"

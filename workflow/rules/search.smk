@@ -1,5 +1,6 @@
-# KL-sensitivity placement search: score_sensitivity per (format, chunk of MoE layers), then the
-# solve_placement checkpoint (exact ILP under the bit budget); the rebuild and export follow its result.
+# KL-sensitivity placement search: score_sensitivity per macro-batch of calibration sequences (one streamed
+# pass scores every MoE layer x format), then the solve_placement checkpoint (the placement under the bit
+# budget: ILP or ModelOpt's threshold search); the export follows its result.
 
 
 rule score_sensitivity:
@@ -25,7 +26,7 @@ rule score_sensitivity:
     params:
         stage=keyed_params,
     script:
-        "../scripts/score_sensitivity.py"
+        "../scripts/run_stage.py"
 
 
 if CFG.placement.source == "search":
@@ -61,4 +62,4 @@ if CFG.placement.source == "search":
         params:
             stage=stage_params("placement"),
         script:
-            "../scripts/solve_placement.py"
+            "../scripts/run_stage.py"

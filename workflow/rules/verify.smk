@@ -26,4 +26,4 @@ rule verify_hashes:
     params:
         stage=keyed_params,
     script:
-        "../scripts/verify_hashes.py"
+        "../scripts/run_stage.py"

@@ -147,3 +147,29 @@ class ConversationView(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         return clean_messages(self._dataset[int(index)][self._field])
+
+
+def load_dataset_conversations(dataset_settings: dict[str, Any], limit_per_member: int | None = None):
+    """Conversations of the configured dataset: one list, or one lazy view per hub member split.
+
+    A hub split stays in its memory-mapped Arrow files and rows are decoded as they are visited
+    (:class:`ConversationView`), so a job holds the conversations it samples, not every split's column;
+    the local JSONL (the toy's corpus, a few MB) is materialised."""
+    field = dataset_settings["messages_field"]
+    if dataset_settings["source"] == "local":
+        dataset = load_chat_dataset(
+            path=dataset_settings["path"], sha256=dataset_settings["sha256"], messages_field=field
+        )
+        return [conversations(dataset, field)]
+    members = []
+    for member in dataset_settings["members"]:
+        for split in member["splits"]:
+            dataset = load_chat_dataset(
+                hub_repo=member["repo"],
+                revision=member["revision"],
+                name=member["name"],
+                split=split,
+                messages_field=field,
+            )
+            members.append(ConversationView(dataset, field))
+    return members

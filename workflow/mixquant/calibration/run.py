@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from mixquant.calibration.dataset import ConversationView, conversations, load_chat_dataset
+from mixquant.calibration.dataset import load_dataset_conversations
 from mixquant.calibration.prompt import build_prompt, check_prompt_pin
 from mixquant.calibration.sample import sample_calibration
 from mixquant.calibration.tokens import save_token_ids
@@ -29,32 +29,6 @@ def load_tokenizer(tokenizer_settings: dict[str, Any], model_artifact: str | Pat
     if model_artifact is None:
         raise ValueError("tokenizer source is 'model' but no model directory was given")
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model_artifact)), trust_remote_code=False)
-
-
-def load_dataset_conversations(dataset_settings: dict[str, Any], limit_per_member: int | None = None):
-    """Conversations of the configured dataset: one list, or one lazy view per hub member split.
-
-    A hub split stays in its memory-mapped Arrow files and rows are decoded as they are visited
-    (:class:`ConversationView`), so a job holds the conversations it samples, not every split's column;
-    the local JSONL (the toy's corpus, a few MB) is materialised."""
-    field = dataset_settings["messages_field"]
-    if dataset_settings["source"] == "local":
-        dataset = load_chat_dataset(
-            path=dataset_settings["path"], sha256=dataset_settings["sha256"], messages_field=field
-        )
-        return [conversations(dataset, field)]
-    members = []
-    for member in dataset_settings["members"]:
-        for split in member["splits"]:
-            dataset = load_chat_dataset(
-                hub_repo=member["repo"],
-                revision=member["revision"],
-                name=member["name"],
-                split=split,
-                messages_field=field,
-            )
-            members.append(ConversationView(dataset, field))
-    return members
 
 
 def run_sample_calibration(

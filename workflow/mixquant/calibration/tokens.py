@@ -16,13 +16,13 @@ Storage is safetensors only (``{"input_ids": int32 tensor}`` plus string metadat
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mixquant.jsonio import temporary_beside
+from mixquant.checkpoint.atomic import atomic_path
+from mixquant.checkpoint.writer import save_file_sorted
 from mixquant.keys.hashing import bytes_sha256
 
 INPUT_IDS_KEY = "input_ids"
@@ -76,24 +76,14 @@ def save_token_ids(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]
     The file is written to a temporary name in the same directory and renamed into place, so a reader never
     sees a half-written file. The returned hash is :func:`token_ids_sha256` of the IDs (not the file's hash).
     """
-    from mixquant.export.checkpoint import save_file_sorted  # lazy: a heavy import
-
     ids32 = as_int32_ids(ids)
     if not isinstance(metadata, dict):
         raise ValueError(f"metadata: expected dict[str, str], got {type(metadata).__name__}")
     bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
     if bad:
         raise ValueError(f"metadata: safetensors needs str keys and values; offending keys {bad!r}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_beside(path)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file_sorted({INPUT_IDS_KEY: ids32}, tmp, metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return token_ids_sha256(ids32)
 
 

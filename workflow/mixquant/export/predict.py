@@ -1,8 +1,9 @@
 """Predict the structure of a ModelOpt mixed-precision export from config.json and a placement alone.
 
-What ModelOpt 0.47's ``export_hf_checkpoint`` writes for a Laguna model whose routed experts are placed per
-MoE layer on NVFP4 W4A16 / FP8 / BF16 (everything else BF16), per routed projection
-(``model.layers.L.mlp.experts.E.{gate,up,down}_proj``, weight ``[N, K]``):
+What ModelOpt 0.47's ``export_hf_checkpoint`` writes for a MoE model of any family of
+:mod:`mixquant.model.families` whose routed experts are placed per MoE layer on NVFP4 W4A16 / FP8 / BF16
+(everything else BF16), per routed projection (weight ``[N, K]``, named as the family's checkpoint names
+it, e.g. ``model.layers.L.mlp.experts.E.{gate,up,down}_proj``):
 
 =============  ==================================================================  =======  ===========
 format         tensors                                                             tensors  nominal bits
@@ -28,26 +29,21 @@ Non-expert tensors (embeddings, attention, norms, router gate and its ``e_score_
 expert, dense layer 0, lm_head) keep the checkpoint dtype of config.json (``dtype``/``torch_dtype``,
 bfloat16 by default); for Laguna-S-2.1 that is 673 tensors.
 
-Placement file (``--placement``, JSON), written by hand or by a placement stage::
-
-    {"layers": {"1": "nvfp4_w4a16", "2": "fp8", "3": "bf16", ...}, "metadata": {...}}
-
-``layers`` maps MoE layer indices (decimal strings, as JSON requires) to one of ``nvfp4_w4a16``, ``fp8``,
-``bf16``; MoE layers not named stay BF16 (as in
-:func:`mixquant.quantize.reference.modelopt_reference_export`).
-``metadata`` is optional, free-form and ignored (provenance); any other top-level key is an error.
+A placement (:mod:`mixquant.export.placement`) maps MoE layers to formats; MoE layers not named stay BF16.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
+
+from mixquant.checkpoint.headers import DTYPE_BYTES
+from mixquant.export.placement import PlacementError
+from mixquant.formats.facts import BF16, FORMATS, FP8, NVFP4, NVFP4_GROUP_SIZE, ROUTED_FORMAT_BITS
+from mixquant.model.families import DEFAULT_MODEL_TYPE, PROJECTIONS, architecture
 
 __all__ = [
     "BF16",
@@ -62,58 +58,18 @@ __all__ = [
     "PlacementError",
     "TensorEntry",
     "checkpoint_tensors",
-    "estimate_metadata_bytes",
     "format_prediction",
-    "load_placement",
     "moe_layers",
-    "parse_placement",
-    "parse_placement_counts",
     "predict_structure",
     "resolve_placement",
     "routed_effective_bits",
 ]
 
-# The same spellings as mixquant.quantize.reference (kept here so that predicting needs no torch/ModelOpt).
-NVFP4 = "nvfp4_w4a16"
-FP8 = "fp8"
-BF16 = "bf16"
-FORMATS = (NVFP4, FP8, BF16)
-# Nominal storage bits per routed weight element (ModelOpt recipe convention: NVFP4 = 4 + 8/16).
-ROUTED_FORMAT_BITS: dict[str, float] = {NVFP4: 4.5, FP8: 8.0, BF16: 16.0}
-NVFP4_GROUP_SIZE = 16
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # KV-cache algorithms whose export is exactly one F32 k_scale and one v_scale per attention layer.
 KV_CACHE_QUANT_ALGOS = ("FP8",)
 KV_SCALE_NAMES = ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")
-# Element sizes of safetensors dtypes.
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 _CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_COUNT_ITEM_RE = re.compile(r"^\s*([A-Za-z0-9_]+)\s*=\s*([+-]?\d+)\s*$")
 _CATEGORIES = ("routed", "non_expert", "kv_scales")
-
-
-class PlacementError(ValueError):
-    """A bad placement (counts string, placement file, layer map); the message is one line."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 @dataclass(frozen=True)
@@ -140,17 +96,12 @@ class TensorEntry:
 # ----------------------------------------------------------------------------------------- config
 
 
-_TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-
-
 def _architecture(model_config: Mapping[str, Any]):
     """The model's architecture (mixquant.model.families), its family's transformers class on the meta
     device: names and shapes as the checkpoint holds them. A config.json without its model_type is read
-    as Laguna's (the layout this module first described)."""
-    from mixquant.model.families import architecture
-
+    as the default family's (:data:`mixquant.model.families.DEFAULT_MODEL_TYPE`)."""
     config = dict(model_config)
-    config.setdefault("model_type", "laguna")
+    config.setdefault("model_type", DEFAULT_MODEL_TYPE)
     try:
         return architecture(config)
     except (KeyError, TypeError) as exc:
@@ -186,7 +137,7 @@ def non_expert_tensors(
     source_dtypes = source_dtypes or {}
     entries = []
     for name, (shape, dtype) in arch.non_expert_tensors().items():
-        on_disk = source_dtypes.get(name) or _TORCH_DTYPES.get(dtype, dtype.upper())
+        on_disk = source_dtypes.get(name) or _CONFIG_DTYPES.get(dtype, dtype.upper())
         entries.append(TensorEntry(name, on_disk, shape, "non_expert"))
     return entries
 
@@ -248,70 +199,6 @@ def _normalise_kv(kv_cache_quant: str | None) -> str | None:
 
 
 # -------------------------------------------------------------------------------------- placement
-
-
-def parse_placement_counts(text: str) -> dict[str, int]:
-    """``"nvfp4_w4a16=39,fp8=3,bf16=5"`` -> ``{"nvfp4_w4a16": 39, "fp8": 3, "bf16": 5}``.
-
-    Formats not named count 0. Raises :class:`PlacementError` (one line) for an empty string, an item
-    that is not ``format=count``, an unknown format, a negative count or a format named twice.
-    """
-    if not str(text).strip():
-        raise PlacementError("placement counts: empty (expected e.g. 'nvfp4_w4a16=39,fp8=3,bf16=5')")
-    counts = dict.fromkeys(FORMATS, 0)
-    seen: set[str] = set()
-    for item in str(text).split(","):
-        match = _COUNT_ITEM_RE.match(item)
-        if not match:
-            raise PlacementError(f"placement counts: {item.strip()!r} is not format=count (in {text!r})")
-        fmt, count = match.group(1), int(match.group(2))
-        if fmt not in counts:
-            raise PlacementError(f"placement counts: unknown format {fmt!r} (formats: {', '.join(FORMATS)})")
-        if fmt in seen:
-            raise PlacementError(f"placement counts: {fmt} given twice (in {text!r})")
-        if count < 0:
-            raise PlacementError(f"placement counts: {fmt}={count} is negative")
-        seen.add(fmt)
-        counts[fmt] = count
-    return counts
-
-
-def parse_placement(data: Any, source: str = "placement") -> dict[int, str]:
-    """Validate a placement document (see the module docstring) and return ``{layer: format}``."""
-    if not isinstance(data, Mapping):
-        raise PlacementError(
-            f"{source}: expected a JSON object with a 'layers' map, got {type(data).__name__}"
-        )
-    extra = sorted(set(data) - {"layers", "metadata"})
-    if extra:
-        raise PlacementError(f"{source}: unknown top-level keys {extra} (allowed: 'layers', 'metadata')")
-    layers = data.get("layers")
-    if not isinstance(layers, Mapping):
-        raise PlacementError(f"{source}: 'layers' must be an object mapping layer index to format")
-    out: dict[int, str] = {}
-    for key, fmt in layers.items():
-        if not re.fullmatch(r"\d+", str(key)):
-            raise PlacementError(f"{source}: layer key {key!r} is not a non-negative integer")
-        if fmt not in FORMATS:
-            raise PlacementError(
-                f"{source}: layer {key}: unknown format {fmt!r} (formats: {', '.join(FORMATS)})"
-            )
-        if int(key) in out:
-            raise PlacementError(f"{source}: layer {int(key)} given twice")
-        out[int(key)] = fmt
-    return dict(sorted(out.items()))
-
-
-def load_placement(path: str | Path) -> dict[int, str]:
-    """Read a placement JSON file (see the module docstring); errors are one line naming the file."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PlacementError(f"{path}: cannot read placement ({exc.strerror or exc})") from exc
-    except ValueError as exc:
-        raise PlacementError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_placement(data, str(path))
 
 
 def resolve_placement(
@@ -479,84 +366,6 @@ def predict_structure(
             "routed": routed_params,
             "non_expert": non_expert_params,
         },
-    }
-
-
-# ------------------------------------------------------------------------------ metadata estimate
-
-
-def _greedy_shards(entries: list[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
-    """transformers' ``split_torch_state_dict_into_shards``: fill in order, start a new shard when the
-    next tensor would exceed ``max_shard_bytes``."""
-    shards: list[list[TensorEntry]] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += e.nbytes
-    return shards
-
-
-def _safetensors_header_bytes(entries: list[TensorEntry], metadata: Mapping[str, str] | None) -> int:
-    """Exact size (8-byte length prefix + JSON, padded to 8) of the header safetensors writes: compact
-    JSON, tensors laid out by descending element size, then name (safetensors' ``prepare``)."""
-    header: dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for e in sorted(entries, key=lambda e: (-DTYPE_BYTES[e.dtype], e.name)):
-        header[e.name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    return 8 + len(text) + (-len(text)) % 8
-
-
-def estimate_metadata_bytes(
-    entries: list[TensorEntry],
-    *,
-    max_shard_bytes: int = 10 * 10**9,
-    metadata: Mapping[str, str] | None = None,
-    total_parameters: int | None = None,
-) -> dict[str, Any]:
-    """On-disk bytes that are not tensor payload, for ``entries`` saved the way ``export_hf_checkpoint``
-    saves them (``save_pretrained(max_shard_size="10GB")``: greedy shards in state-dict order, safetensors
-    headers with ``{"format": "pt"}`` metadata, an index ``json.dumps(indent=2, sort_keys=True)``).
-
-    The tensor order inside the state dict is approximated by ``entries``' order, so shard boundaries and
-    offset digit counts are an estimate; the header text per tensor is exact. Returns ``shards`` (number),
-    ``shard_header_bytes`` (total and per shard), ``index_bytes`` and their sum.
-    """
-    metadata = {"format": "pt"} if metadata is None else metadata
-    shards = _greedy_shards(list(entries), max_shard_bytes)
-    n = len(shards)
-    per_shard = [_safetensors_header_bytes(s, metadata) for s in shards]
-    index_bytes = 0
-    if n > 1:
-        names = {
-            e.name: f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            for i, shard in enumerate(shards)
-            for e in shard
-        }
-        params = (
-            total_parameters if total_parameters is not None else sum(math.prod(e.shape) for e in entries)
-        )
-        index = {
-            "metadata": {"total_parameters": params, "total_size": sum(e.nbytes for e in entries)},
-            "weight_map": names,
-        }
-        index_bytes = len((json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-    return {
-        "shards": n,
-        "shard_header_bytes": sum(per_shard),
-        "shard_header_bytes_per_shard": per_shard,
-        "index_bytes": index_bytes,
-        "total": sum(per_shard) + index_bytes,
     }
 
 

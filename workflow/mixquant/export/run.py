@@ -9,12 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from mixquant import faults
+from mixquant.export.files import AUDIT_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILES
+from mixquant.export.inspect import inspect_checkpoint
+from mixquant.export.predict import predict_structure
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.model.fetch import resolve_model_dir
+from mixquant.quantize.run import layer_result_dir
+
+__all__ = ["AUDIT_FILE", "checkpoint_audit", "run_export_checkpoint", "tokenizer_source_dir"]
 
 log = logging.getLogger(__name__)
-
-AUDIT_FILE = "checkpoint_audit.json"
 
 
 def checkpoint_audit(
@@ -28,14 +32,12 @@ def checkpoint_audit(
     the two agree (tensor counts, payload bytes, effective routed bits, per-layer formats). With
     ``source_dir`` the prediction takes the non-expert tensors' dtypes from the source's shard headers
     (the export copies them as published)."""
-    from mixquant.checkpoint.shards import ShardReader
-    from mixquant.export.inspect import inspect_checkpoint
-    from mixquant.export.predict import predict_structure
+    from mixquant.checkpoint.shards import ShardReader  # lazy: imports torch
 
     # The audit describes the directory it ships in: not the temporary path it was written under (a pid
     # and a random suffix would make the file differ between two runs of the same key).
     inspection = {**inspect_checkpoint(export_dir), "directory": "."}
-    config = json.loads((export_dir / "config.json").read_text("utf-8"))
+    config = json.loads((export_dir / CONFIG_FILE).read_text("utf-8"))
     source_dtypes = None
     if source_dir is not None:
         reader = ShardReader(source_dir)
@@ -66,13 +68,11 @@ def tokenizer_source_dir(tokenizer: dict[str, Any], model_dir: Path, scratch: Pa
         raise ValueError(f"tokenizer {tokenizer['repo']}: refusing an unpinned revision")
     from huggingface_hub import snapshot_download
 
-    from mixquant.export.checkpoint import TOKENIZER_FILES
-
     return Path(
         snapshot_download(
             tokenizer["repo"],
             revision=tokenizer["revision"],
-            allow_patterns=list(TOKENIZER_FILES) + ["generation_config.json"],
+            allow_patterns=list(TOKENIZER_FILES) + [GENERATION_CONFIG_FILE],
             local_dir=scratch,
         )
     )
@@ -89,8 +89,7 @@ def run_export_checkpoint(
 ) -> Path:
     """Assemble, shard and audit the ModelOpt MIXED_PRECISION checkpoint (`layers`: layer_L -> the
     quantize_layer window holding layer L in its placed format)."""
-    from mixquant.export.checkpoint import export_checkpoint
-    from mixquant.quantize.run import layer_result_dir
+    from mixquant.export.checkpoint import export_checkpoint  # lazy: imports torch
 
     placement = {int(layer): fmt for layer, fmt in settings["placement"].items()}
     layer_dirs = {
@@ -99,7 +98,7 @@ def run_export_checkpoint(
     export = settings["export"]
     kv_amax = None
     if export["kv_cache_quant"]:
-        from mixquant.quantize.activations import load_activation_stats
+        from mixquant.quantize.activations import load_activation_stats  # lazy: imports torch
 
         kv_amax = load_activation_stats(Path(activations))
     model_dir = resolve_model_dir(model)

@@ -1,1 +1,2 @@
-"""mixquant.formats: CPU support for ModelOpt's NVFP4 numerics and fast NVFP4 scale fitting."""
+"""mixquant.formats: what the routed-expert formats are (:mod:`~mixquant.formats.facts`, torch-free) and
+their numerics: ModelOpt's NVFP4 and FP8 on CPU, and fast NVFP4 scale fitting."""

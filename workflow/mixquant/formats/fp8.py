@@ -43,6 +43,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mixquant.formats.facts import FP8_E4M3_MAX
+
 __all__ = [
     "FP8_E4M3_MAX",
     "MSE_START_MULTIPLIER",
@@ -56,7 +58,6 @@ __all__ = [
     "mse_multipliers",
 ]
 
-FP8_E4M3_MAX = 448.0
 MSE_STEP_SIZE = 0.1  # MseCalibConfig defaults
 MSE_START_MULTIPLIER = 0.25
 MSE_STOP_MULTIPLIER = 4.0

@@ -39,6 +39,8 @@ from modelopt.torch.kernels.quantization.gemm._fp8_scale_candidates import fp8_s
 from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from modelopt.torch.quantization.utils import reduce_block_padding
 
+from mixquant.formats.facts import NVFP4_GROUP_SIZE
+
 from .cpu_fake_quant import cpu_nvfp4_fake_quant, static_nvfp4_scales
 
 __all__ = [
@@ -51,7 +53,7 @@ __all__ = [
     "sweep_nvfp4_block_amax",
 ]
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = NVFP4_GROUP_SIZE
 _EXPONENT_MASK = 0x7F800000
 _MAGIC = 0.75 * 2.0**23  # (t + _MAGIC * p) - _MAGIC * p rounds t half-to-even to a multiple of p / 2
 _E2M1_MAX = 6.0

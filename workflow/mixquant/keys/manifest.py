@@ -14,16 +14,15 @@ import logging
 import os
 import platform
 import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from mixquant import faults
+from mixquant.checkpoint.atomic import temporary_dir_beside
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
-from mixquant.rulelog import disk_full
 
 MANIFEST = "manifest.json"
 # Snakemake touches this file inside directory outputs to carry their mtime; it is not content.
@@ -173,8 +172,7 @@ def publish_keyed_dir(
         raise ValueError(f"{final_dir}: directory name is not the key of the given preimage")
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(final_dir.parent, key)
-    temporary = final_dir.parent / f".tmp-{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
+    temporary = temporary_dir_beside(final_dir, tag=key[:16])
     stage = final_dir.parent.name
     try:
         yield temporary
@@ -192,7 +190,7 @@ def publish_keyed_dir(
     except BaseException as error:
         written = _tree_bytes(temporary)
         shutil.rmtree(temporary, ignore_errors=True)
-        if disk_full(error):  # one line naming the keyed directory (rulelog adds what the job asks for)
+        if faults.disk_full(error):  # one line naming the keyed directory (rulelog adds what the job needs)
             raise OSError(
                 errno.ENOSPC,
                 f"No space left on device (the stage had written {written / 1e6:.1f} MB; nothing published)",

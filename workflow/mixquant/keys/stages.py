@@ -1,8 +1,10 @@
-"""The stage registry: every stage's runner, software environment, compute device, output and key inputs.
+"""The stage registry: every stage's runner, software environment, compute device, output, key inputs and
+cost function.
 
 One table (``STAGES``) read by everyone who needs to know about stages: the artifact graph (what enters a
-key), the rules (their ``conda:`` environment, via ``workflow/rules/common.smk``), the cost model (which
-stages exist, which serve a model), ``mixquant run`` (the runner) and ``mixquant paths`` (the environment).
+key), the rules (their ``conda:`` environment, via ``workflow/rules/common.smk``), the cost model (each
+stage's cost function, which serve a model), ``mixquant run`` (the runner) and ``mixquant paths`` (the
+environment).
 Nothing else lists stages.
 
 KEY_SCHEMA_VERSION changes when the layout of the preimage itself changes (every key moves).
@@ -63,6 +65,9 @@ class StageSpec:
     numerics_packages: tuple[str, ...]
     env: str = QUANT_ENV  # QUANT_ENV, or "engine" (see above)
     device: Device = "cpu"
+    # "module:function" of the cost model's estimate of one job, called as cost(job) on a
+    # mixquant.costs.job.CostJob it fills in (mixquant.costs.stage_cost)
+    cost: str = ""
 
     @property
     def serves_model(self) -> bool:
@@ -72,10 +77,17 @@ class StageSpec:
 
 _ENGINE_MODULES = (
     "mixquant.kld.engines",
+    "mixquant.kld.settings",
+    "mixquant.kld.checkpoints",
+    "mixquant.kld.hf_engine",
+    "mixquant.kld.vllm_engine",
     "mixquant.kld.run",
-    "mixquant.export.dequant",
-    "mixquant.search.score",
+    "mixquant.model.dequant",
+    "mixquant.formats.dequant",
+    "mixquant.model.experts",
     "mixquant.model.attention",
+    "mixquant.formats.facts",
+    "mixquant.checkpoint.writer",
 )
 _ENGINE_PACKAGES = ("torch", "transformers", "nvidia-modelopt", "safetensors", "vllm")
 
@@ -85,82 +97,153 @@ STAGES: dict[str, StageSpec] = {
     for spec in (
         # Downloads and content hashes: no numerics, so no package decides the result.
         StageSpec(
-            "fetch_model", "mixquant.model.run:run_fetch_model", "model", ("mixquant.model.fetch",), ()
+            "fetch_model",
+            "mixquant.source.run:run_fetch_model",
+            "model",
+            ("mixquant.model.fetch",),
+            (),
+            cost="mixquant.costs.sources:fetch_model",
         ),
         # A block-FP8 source made BF16 by the publisher's dequantization.
         StageSpec(
             "dequantize_source",
-            "mixquant.model.run:run_dequantize_source",
+            "mixquant.source.run:run_dequantize_source",
             "model",
-            ("mixquant.checkpoint.fp8_source",),
+            (
+                "mixquant.checkpoint.fp8_source",
+                "mixquant.checkpoint.fp8_config",
+                "mixquant.checkpoint.writer",
+            ),
             ("torch", "safetensors"),
+            cost="mixquant.costs.sources:dequantize_source",
         ),
         StageSpec(
             "build_toy_model",
-            "mixquant.model.run:run_build_toy_model",
+            "mixquant.source.run:run_build_toy_model",
             "model",
             (
                 "mixquant.model.toy",
+                "mixquant.model.toy_training",
+                "mixquant.model.toy_build",
+                "mixquant.model.toy_layout",
                 "mixquant.model.toy_settings",
                 "mixquant.model.tokenizer",
                 "mixquant.model.layout",
+                "mixquant.checkpoint.writer",
             ),
             ("torch", "transformers", "tokenizers", "safetensors"),
+            cost="mixquant.costs.sources:build_toy_model",
         ),
         StageSpec(
             "sample_calibration",
             "mixquant.calibration.run:run_sample_calibration",
             "calibration",
-            ("mixquant.calibration.sample", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
+            (
+                "mixquant.calibration.sample",
+                "mixquant.calibration.dataset",
+                "mixquant.calibration.tokens",
+                "mixquant.checkpoint.writer",
+            ),
             ("transformers", "tokenizers", "datasets"),
+            cost="mixquant.costs.sources:sample_calibration",
         ),
         StageSpec(
             "pin_prompt",
             "mixquant.calibration.run:run_pin_prompt",
             "prompt",
-            ("mixquant.calibration.prompt", "mixquant.calibration.dataset", "mixquant.calibration.tokens"),
+            (
+                "mixquant.calibration.prompt",
+                "mixquant.calibration.dataset",
+                "mixquant.calibration.tokens",
+                "mixquant.checkpoint.writer",
+            ),
             ("transformers", "tokenizers", "datasets"),
+            cost="mixquant.costs.sources:pin_prompt",
         ),
         StageSpec(
             "collect_activation_stats",
             "mixquant.quantize.run:run_collect_activation_stats",
             "activations",
-            ("mixquant.quantize.activations", "mixquant.model.attention"),
+            (
+                "mixquant.quantize.activations",
+                "mixquant.model.attention",
+                "mixquant.model.experts",
+                "mixquant.checkpoint.writer",
+                "mixquant.formats.facts",
+            ),
             ("torch", "transformers", "safetensors"),
             device="configured",
+            cost="mixquant.costs.rebuild:collect_activation_stats",
         ),
         StageSpec(
             "quantize_layer",
             "mixquant.quantize.run:run_quantize_layer",
             "layers",
-            ("mixquant.quantize.layer", "mixquant.formats.nvfp4", "mixquant.formats.fp8"),
+            (
+                "mixquant.quantize.layer",
+                "mixquant.model.layer_reader",
+                "mixquant.formats.facts",
+                "mixquant.formats.nvfp4",
+                "mixquant.formats.nvfp4_amax",
+                "mixquant.formats.fp8",
+                "mixquant.formats.dequant",
+                "mixquant.checkpoint.writer",
+            ),
             ("torch", "nvidia-modelopt", "safetensors"),
             device="configured",
+            cost="mixquant.costs.rebuild:quantize_layer",
         ),
         # Scores: the scorer (its numerics come from quantize_layer's results, which are upstream).
         StageSpec(
             "score_sensitivity",
             "mixquant.search.run:run_score_sensitivity",
             "scores",
-            ("mixquant.search.score", "mixquant.search.run"),
+            (
+                "mixquant.search.score",
+                "mixquant.search.run",
+                "mixquant.model.experts",
+                "mixquant.formats.dequant",
+            ),
             ("torch", "transformers", "nvidia-modelopt", "safetensors"),
             device="configured",
+            cost="mixquant.costs.rebuild:score_sensitivity",
         ),
         # The placement, its audit, the frontier and the plots are all outputs of the solve.
         StageSpec(
             "solve_placement",
             "mixquant.search.run:run_solve_placement",
             "placement",
-            ("mixquant.search.solve", "mixquant.search.run", "mixquant.search.plots"),
+            (
+                "mixquant.search.solve",
+                "mixquant.search.groups",
+                "mixquant.search.ilp",
+                "mixquant.search.minimax",
+                "mixquant.search.run",
+                "mixquant.search.plots",
+            ),
             ("pulp", "matplotlib"),
+            cost="mixquant.costs.rebuild:solve_placement",
         ),
         # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
         StageSpec(
             "export_checkpoint",
             "mixquant.export.run:run_export_checkpoint",
             "checkpoint",
-            ("mixquant.export.checkpoint", "mixquant.export.inspect", "mixquant.export.predict"),
+            (
+                "mixquant.export.checkpoint",
+                "mixquant.export.inputs",
+                "mixquant.export.modelopt_config",
+                "mixquant.export.shard_plan",
+                "mixquant.export.inspect",
+                "mixquant.export.inspect_checks",
+                "mixquant.model.families.naming",
+                "mixquant.export.predict",
+                "mixquant.checkpoint.writer",
+                "mixquant.formats.facts",
+                "mixquant.quantize.reference",
+            ),
             ("nvidia-modelopt", "safetensors", "transformers"),
+            cost="mixquant.costs.rebuild:export_checkpoint",
         ),
         # Logits: the engine (and what it loads a checkpoint with) decides them.
         StageSpec(
@@ -171,6 +254,7 @@ STAGES: dict[str, StageSpec] = {
             _ENGINE_PACKAGES,
             env="engine",
             device="engine",
+            cost="mixquant.costs.kld:reference_logits",
         ),
         StageSpec(
             "run_kld",
@@ -180,13 +264,15 @@ STAGES: dict[str, StageSpec] = {
             _ENGINE_PACKAGES,
             env="engine",
             device="engine",
+            cost="mixquant.costs.kld:run_kld",
         ),
         StageSpec(
             "gate_kld",
             "mixquant.kld.run:run_gate_kld",
             "gate",
-            ("mixquant.kld.report", "mixquant.kld.run"),
+            ("mixquant.kld.report", "mixquant.kld.run", "mixquant.checkpoint.writer"),
             ("torch",),
+            cost="mixquant.costs.kld:gate_kld",
         ),
         StageSpec(
             "kld_report",
@@ -194,17 +280,30 @@ STAGES: dict[str, StageSpec] = {
             "report",
             ("mixquant.kld.report", "mixquant.kld.run"),
             ("pandas", "matplotlib"),
+            cost="mixquant.costs.kld:kld_report",
         ),
         StageSpec(
-            "check_kld_gates", "mixquant.kld.run:run_check_kld_gates", "verdict", ("mixquant.kld.run",), ()
+            "check_kld_gates",
+            "mixquant.kld.run:run_check_kld_gates",
+            "verdict",
+            ("mixquant.kld.run",),
+            (),
+            cost="mixquant.costs.kld:check_kld_gates",
         ),
         # Hashes of bytes the upstream stages wrote: the encodings live in the code, no package decides.
         StageSpec(
             "verify_hashes",
             "mixquant.release.verify:run_verify_hashes",
             "verify",
-            ("mixquant.release.hashes", "mixquant.release.published", "mixquant.release.verify"),
+            (
+                "mixquant.release.hashes",
+                "mixquant.release.published",
+                "mixquant.release.verify",
+                "mixquant.release.report",
+                "mixquant.release.closeness",
+            ),
             (),
+            cost="mixquant.costs.release:verify_hashes",
         ),
         # The bundle copies upstream files and writes the recipe, the KLD table and the model card (which
         # names the mixquant version, so it enters the key).
@@ -221,6 +320,7 @@ STAGES: dict[str, StageSpec] = {
                 "mixquant.kld.report",
             ),
             ("mixquant", "pandas"),
+            cost="mixquant.costs.release:assemble_release",
         ),
     )
 }
@@ -241,8 +341,9 @@ def stage_env(stage: str, kld_engine: str) -> str:
     return env
 
 
-def computes_on_cpu(stage: str) -> bool:
-    """Whether torch computes this stage's numbers (so the CPU numerics profile decides them)."""
+def torch_decides_numbers(stage: str) -> bool:
+    """Whether torch computes this stage's numbers, on whichever device (so the device and, on a CPU, the
+    numerics profile decide them: both enter its key)."""
     return "torch" in stage_spec(stage).numerics_packages
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mixquant.jsonio import temporary_beside
+from mixquant.checkpoint.atomic import atomic_open
 from mixquant.kld.stats import percentiles
 
 if TYPE_CHECKING:
@@ -374,28 +374,13 @@ def table_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str) -> Path:
-    """Write ``path`` through a same-directory temp file + ``os.replace``; the temp file never survives."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_beside(out)
-    try:
-        kwargs = {"encoding": "utf-8", "newline": ""} if "b" not in mode else {}
-        with os.fdopen(fd, mode, **kwargs) as handle:
-            write(handle)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
-
-
 def write_table(df: pd.DataFrame, csv_path: str | os.PathLike[str], md_path: str | os.PathLike[str]) -> None:
     """Write ``df`` as CSV (raw numbers, full precision) and as formatted Markdown, each atomically."""
     csv_text = df.to_csv(index=False, lineterminator="\n")
     md_text = table_markdown(df)
-    _write_atomic(csv_path, lambda h: h.write(csv_text), "w")
-    _write_atomic(md_path, lambda h: h.write(md_text), "w")
+    for path, text in ((csv_path, csv_text), (md_path, md_text)):
+        with atomic_open(path, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -414,11 +399,9 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def _save(fig: Figure, out_path: str | os.PathLike[str]) -> Path:
-    return _write_atomic(
-        out_path,
-        lambda h: fig.savefig(h, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight"),
-        "wb",
-    )
+    with atomic_open(out_path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
+    return Path(out_path)
 
 
 def _curves_np(curves: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -34,8 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mixquant
+from mixquant.keys.environments import SoftwareError, check_software
+from mixquant.keys.hashing import file_sha256
 from mixquant.keys.manifest import publish_keyed_dir
+from mixquant.kld.settings import EngineError, EngineSettings
 from mixquant.model.fetch import resolve_model_dir
+from mixquant.numerics import fingerprint, portable_environment, requested
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +78,12 @@ def logits_sha256(logits) -> str:
 
 
 def _engine_settings(settings: dict[str, Any], kv: str, threads: int | None):
-    from mixquant.kld.engines import EngineSettings
-
     device = settings.get("numerics", {}).get("device") if settings["engine"]["engine"] == "hf" else None
     return EngineSettings(**settings["engine"], kv_cache_dtype=kv, threads=threads, device=device)
 
 
 def _prompt_ids(prompt: str | Path):
-    from mixquant.calibration.tokens import load_token_ids
+    from mixquant.calibration.tokens import load_token_ids  # lazy: imports torch
 
     return load_token_ids(Path(prompt) / "prompt.safetensors").reshape(-1).long()
 
@@ -90,8 +93,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _logits(model_dir: Path, settings: dict[str, Any], kv: str, ids) -> tuple[Any, dict[str, Any], float]:
-    from mixquant.kld.engines import open_engine
-    from mixquant.quantize.layer import check_checkpoint_shards
+    from mixquant.kld.engines import open_engine  # lazy: imports torch
+    from mixquant.model.layer_reader import check_checkpoint_shards  # lazy: imports torch
 
     check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
     started = time.perf_counter()
@@ -118,7 +121,7 @@ def run_reference_logits(
     computed under (top-level ``numerics``, mixquant.numerics): their hash is a numerical one, which
     ``mixquant verify`` expects to reproduce bit for bit only under an equal decisive fingerprint.
     """
-    from safetensors.torch import save_file
+    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
 
     if _fresh_process_engine(settings):
         logits, info, seconds = _logits_in_fresh_process(
@@ -128,8 +131,6 @@ def run_reference_logits(
         logits, info, seconds = _logits(resolve_model_dir(model), settings, "bfloat16", _prompt_ids(prompt))
     sha = logits_sha256(logits)
     if info.get("numerics") is None:  # an engine that does not record its own
-        from mixquant.numerics import fingerprint
-
         info = {**info, "numerics": fingerprint()}
     document = {
         "sha256": sha,
@@ -142,7 +143,7 @@ def run_reference_logits(
     }
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        save_file({"logits": logits.contiguous()}, str(tmp / LOGITS_FILE), metadata={"sha256": sha})
+        save_file_sorted({"logits": logits.contiguous()}, tmp / LOGITS_FILE, {"sha256": sha})
         _write_json(tmp / REFERENCE_JSON, document)
         summary.update(sha256=sha, shape=list(logits.shape), seconds=round(seconds, 3), engine=info)
     log.info("reference logits %s, sha256 %s", tuple(logits.shape), sha)
@@ -203,9 +204,9 @@ def _write_run(
     ``target``. Computed by the job's own process, under its numerics profile, whichever process the engine
     ran in."""
     import torch
-    from safetensors.torch import save_file
 
-    from mixquant.kld.stats import kld_statistics
+    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
+    from mixquant.kld.stats import kld_statistics  # lazy: imports torch
 
     kv = settings["kv_cache_dtype"]
     if logits.shape != ref.shape:
@@ -225,7 +226,7 @@ def _write_run(
         "engine": info,
     }
     target.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(target / PER_POSITION_FILE))
+    save_file_sorted(tensors, target / PER_POSITION_FILE, None)
     _write_json(target / RUN_JSON, document)
     log.info(
         "run %d (%s KV): mean KLD %.6g (engine %.2f s, statistics %.2f s)",
@@ -305,8 +306,6 @@ def engine_process(
     run is judged by its files against that list, not by the exit status (vLLM's teardown has been seen to
     abort after the output was complete: rc 134, "terminate called without an active exception").
     """
-    import mixquant
-
     software = settings.get("software") or {}
     python = software.get("python") or sys.executable
     spec = {
@@ -357,8 +356,6 @@ def vllm_environment(env: dict[str, str]) -> dict[str, str]:
     profile pins torch's paths for what mixquant computes, which the job's own process still does (the KL
     statistics). The engine's fingerprint then records the host's native numerics.
     """
-    from mixquant.numerics import portable_environment, requested
-
     out = {name: value for name, value in env.items() if name not in portable_environment()}
     out["MIXQUANT_NUMERICS"] = f"native:{requested()[1]}"
     return out
@@ -373,8 +370,6 @@ def _last_line(output: str) -> str:
 
 def _completed_files(scratch: Path) -> list[str] | None:
     """The files a child listed in ``done.json`` when every one is there with its SHA-256, else None."""
-    from mixquant.keys.hashing import file_sha256
-
     try:
         listed = json.loads((scratch / DONE_JSON).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError):
@@ -389,20 +384,17 @@ def _completed_files(scratch: Path) -> list[str] | None:
 
 def run_engine_task(spec_path: str | Path) -> None:
     """The child of :func:`engine_process`: a model's logits on the prompt, as the spec file describes."""
-    from mixquant.keys.environments import check_software
-    from mixquant.keys.hashing import file_sha256
-
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     settings, out = spec["settings"], Path(spec["out"])
     if spec.get("packages") is not None:  # the engine's own packages are the ones its key holds
         check_software({"packages": spec["packages"]}, settings.get("software"))
     if spec["task"] != "logits":
         raise KldRunError(f"engine task {spec['task']!r} is not 'logits'")
-    from safetensors.torch import save_file
+    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
 
     ids = _prompt_ids(spec["prompt"])
     logits, info, _ = _logits(resolve_model_dir(spec["model"]), settings, spec["kv_cache_dtype"], ids)
-    save_file({"logits": logits.contiguous()}, str(out / LOGITS_FILE))
+    save_file_sorted({"logits": logits.contiguous()}, out / LOGITS_FILE, None)
     _write_json(out / ENGINE_JSON, info)
     written = [LOGITS_FILE, ENGINE_JSON]
     _write_json(out / DONE_JSON, {"files": {name: file_sha256(out / name) for name in written}})
@@ -415,9 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_engine_task(args[0])
     except Exception as error:  # noqa: BLE001 - one line for the parent, the traceback above it
-        from mixquant.keys.environments import SoftwareError
-        from mixquant.kld.engines import EngineError
-
         logging.getLogger(__name__).exception("engine task failed")
         line = (str(error).splitlines() or [type(error).__name__])[0]
         if not isinstance(error, (EngineError, KldRunError, SoftwareError)):
@@ -454,9 +443,13 @@ def run_gate_kld(
 ) -> Path:
     """Aggregate one (candidate, KV dtype)'s runs (a run_kld output), compare with the baseline's runs,
     apply the gates."""
-    from safetensors.torch import save_file
-
-    from mixquant.kld.report import aggregate_runs, aggregate_to_json, evaluate_gates, paired_improvement
+    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
+    from mixquant.kld.report import (  # lazy: imports torch
+        aggregate_runs,
+        aggregate_to_json,
+        evaluate_gates,
+        paired_improvement,
+    )
 
     own = _load_runs(runs)
     base = _load_runs(baseline_runs) if baseline_runs is not None else []
@@ -499,7 +492,7 @@ def run_gate_kld(
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
         _write_json(tmp / AGGREGATE_JSON, document)
-        save_file({"kl": aggregate["kl"].contiguous()}, str(tmp / MEAN_FILE))
+        save_file_sorted({"kl": aggregate["kl"].contiguous()}, tmp / MEAN_FILE, None)
         summary.update(mean_kld=aggregate["mean_kld"], passed=verdict["passed"])
     log.info(
         "%s (%s KV): mean KLD %.6g over %d runs, %s",
@@ -518,7 +511,7 @@ def run_kld_report(
     """The comparison table (CSV, Markdown) of every candidate x KV dtype, the plots and the verdicts."""
     from safetensors.torch import load_file
 
-    from mixquant.kld.report import (
+    from mixquant.kld.report import (  # lazy: imports torch
         comparison_table,
         plot_kl_cdf,
         plot_per_position,

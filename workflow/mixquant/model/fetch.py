@@ -24,11 +24,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mixquant.jsonio import temporary_beside
+from mixquant.checkpoint.atomic import atomic_open
+from mixquant.checkpoint.headers import CONFIG_FILE
 from mixquant.keys.hashing import bytes_sha256, file_sha256, require_sha256_hex
 
 SOURCE_FILE = "model_source.json"
-CONFIG_FILE = "config.json"
 HASH_CACHE_FILE = "file_sha256_cache.json"
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _SKIP_DIRS = frozenset({".git", ".cache"})  # VCS data; huggingface_hub's local_dir bookkeeping
@@ -61,11 +61,8 @@ def _load_cache(cache_path: Path | None) -> dict[str, dict[str, Any]]:
 
 
 def _save_cache(cache_path: Path, cache: dict[str, dict[str, Any]]) -> None:
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_beside(cache_path)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    with atomic_open(cache_path, "w", encoding="utf-8") as handle:
         json.dump(cache, handle, indent=1, sort_keys=True)
-    os.replace(tmp, cache_path)
 
 
 def local_dir_identity(

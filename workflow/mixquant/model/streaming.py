@@ -34,7 +34,7 @@ results are bit-identical to the whole-model forward on the same device (tests c
 
 An exported (ModelOpt) checkpoint streams through the same path with ``dequantize=True``: each layer's
 quantized weights are dequantized with ModelOpt's export numerics
-(:func:`mixquant.export.dequant.dequantized_group`) before they are attached, their scale tensors and
+(:func:`mixquant.model.dequant.dequantized_group`) before they are attached, their scale tensors and
 KV-cache scales dropped.
 """
 
@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from mixquant.checkpoint.shards import CheckpointError, ShardReader, glibc
+from mixquant.model.dequant import dequantized_group
 
 __all__ = ["LayerInputs", "StreamedModel", "resolve_device"]
 
@@ -333,8 +334,6 @@ class StreamedModel:
         if tensors is None:
             tensors = self._read(names)
         if self.dequantize:
-            from mixquant.export.dequant import dequantized_group
-
             tensors = dequantized_group(tensors, self.dtype)
             if self.fused_reads:
                 tensors = self._fused_copies(tensors)

@@ -9,32 +9,22 @@ output gate, q/k norms, untied lm_head. Every matrix input dimension is a multip
 
 Everything is deterministic for a fixed seed and thread count: weight init (torch.manual_seed), data order
 (a seeded torch.Generator), the router-bias balancing updates, the tokenizer (see tokenizer.py), and the
-saved bytes (layout.py).
+saved bytes (toy_layout.py).
+
+The toy is built in three modules: this one (the model: its config, initialisation, dtype, parameter
+counts and outlier channels), :mod:`mixquant.model.toy_training` (the corpus as packed sequences, the
+training loop) and :mod:`mixquant.model.toy_build` (tokenizer, training, outliers, the saved checkpoint
+and its reload check).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import LagunaConfig, LagunaForCausalLM, PreTrainedTokenizerFast
 
-from mixquant.model import layout
-from mixquant.model.tokenizer import (
-    SAVE_KWARGS,
-    conversation_texts,
-    render_conversation,
-    special_token_ids,
-    train_tokenizer,
-)
+from mixquant.model.tokenizer import special_token_ids
 from mixquant.model.toy_settings import ToyArchitecture, ToyOutliers, ToyTokenizer, ToyTraining
 
 NVFP4_BLOCK = 16
@@ -148,7 +138,7 @@ def init_toy_model(
     model.to(torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for router in _routers(model):
+        for router in routers(model):
             bias = (
                 torch.randn(router.e_score_correction_bias.shape, generator=generator) * router_bias_init_std
             )
@@ -169,7 +159,7 @@ def to_bfloat16(model: LagunaForCausalLM) -> LagunaForCausalLM:
     return model
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
 
 
@@ -212,253 +202,6 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-# ----------------------------------------------------------------------------------------- data
-
-
-def split_conversations(
-    conversations: list[list[dict]], heldout_every: int
-) -> tuple[list[list[dict]], list[list[dict]]]:
-    """Deterministic split: conversation i is held out iff i % heldout_every == 0."""
-    train = [c for i, c in enumerate(conversations) if i % heldout_every]
-    heldout = [c for i, c in enumerate(conversations) if i % heldout_every == 0]
-    return train, heldout
-
-
-def token_stream(tokenizer: PreTrainedTokenizerFast, conversations: list[list[dict]]) -> torch.Tensor:
-    """All conversations rendered through the chat template and concatenated (each starts with bos)."""
-    texts = [render_conversation(tokenizer, messages) for messages in conversations]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return torch.tensor([t for ids in encoded for t in ids], dtype=torch.long)
-
-
-def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut a token stream into [N, seq_len] inputs and next-token targets (the stream shifted by one)."""
-    n = (stream.numel() - 1) // seq_len
-    if n < 1:
-        raise ValueError(f"{stream.numel()} tokens do not fill one sequence of {seq_len}")
-    inputs = stream[: n * seq_len].view(n, seq_len)
-    targets = stream[1 : n * seq_len + 1].view(n, seq_len)
-    return inputs, targets
-
-
-def _batches(num_sequences: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Endless seeded epochs of shuffled sequence indices, `batch_size` at a time (last partial dropped)."""
-    while True:
-        order = torch.randperm(num_sequences, generator=generator)
-        for start in range(0, num_sequences - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
-
-
-def _evenly_spaced(count: int, available: int) -> torch.Tensor:
-    if count >= available:
-        return torch.arange(available)
-    return torch.linspace(0, available - 1, count).round().long()
-
-
-# ----------------------------------------------------------------------------------------- training
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def lr_at(step: int, training: dict[str, Any]) -> float:
-    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step."""
-    peak, steps, warmup = float(training["lr"]), int(training["steps"]), int(training["warmup_steps"])
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup - 1)
-    floor = float(training["min_lr_ratio"])
-    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-class _RoutingCounter:
-    """Forward hooks on the routers counting how often each expert is selected (per layer)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.routers = _routers(model)
-        self.counts = [torch.zeros(r.e_score_correction_bias.numel()) for r in self.routers]
-        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
-
-    def _hook(self, i: int):
-        def hook(module, args, output):
-            selected = output[2]
-            self.counts[i] += torch.bincount(selected.reshape(-1), minlength=self.counts[i].numel()).float()
-
-        return hook
-
-    def reset(self) -> None:
-        for c in self.counts:
-            c.zero_()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _update_router_bias(counter: _RoutingCounter, rate: float) -> None:
-    """Aux-loss-free load balancing (DeepSeek-V3 style): push under-used experts' bias up, over-used down."""
-    with torch.no_grad():
-        for router, counts in zip(counter.routers, counter.counts, strict=True):
-            bias = router.e_score_correction_bias
-            bias.add_(torch.sign(counts.mean() - counts).to(bias.dtype) * rate)
-
-
-@torch.no_grad()
-def evaluate(model: LagunaForCausalLM, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> dict:
-    """Mean next-token loss (nats), perplexity, mean max-probability and top-1 accuracy."""
-    model.eval()
-    total_loss, total_maxp, total_correct, total = 0.0, 0.0, 0, 0
-    for start in range(0, inputs.shape[0], batch_size):
-        x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
-        logits = model(input_ids=x).logits.float()
-        logp = F.log_softmax(logits, dim=-1)
-        total_loss += -logp.gather(-1, y.unsqueeze(-1)).sum().item()
-        maxp, argmax = logp.max(dim=-1)
-        total_maxp += maxp.exp().sum().item()
-        total_correct += int((argmax == y).sum())
-        total += y.numel()
-    loss = total_loss / total
-    return {
-        "loss": loss,
-        "perplexity": math.exp(loss),
-        "mean_max_prob": total_maxp / total,
-        "top1_accuracy": total_correct / total,
-        "tokens": total,
-    }
-
-
-def train_toy_model(
-    config: LagunaConfig,
-    conversations: list[list[dict]],
-    tokenizer: PreTrainedTokenizerFast,
-    *,
-    training: dict[str, Any],
-    seed: int,
-    threads: int,
-    router_bias_init_std: float = DEFAULT_TOY_ARCH["router_bias_init_std"],
-    progress: bool = True,
-) -> tuple[LagunaForCausalLM, dict[str, Any]]:
-    """Train a fresh seeded model on the rendered conversations; returns (fp32 model in eval mode, report).
-
-    Conversation i is held out iff i % heldout_every == 0; the rest are packed into seq_len sequences and
-    visited in seeded shuffled epochs.
-    """
-    training = with_defaults(DEFAULT_TOY_TRAINING, training, "toy training")
-    seq_len, batch_size, steps = int(training["seq_len"]), int(training["batch_size"]), int(training["steps"])
-    with torch_threads(threads):
-        t0 = time.perf_counter()
-        train_convs, heldout_convs = split_conversations(conversations, int(training["heldout_every"]))
-        train_x, train_y = pack(token_stream(tokenizer, train_convs), seq_len)
-        heldout_x, heldout_y = pack(token_stream(tokenizer, heldout_convs), seq_len)
-        if train_x.shape[0] < batch_size:
-            raise ValueError(f"{train_x.shape[0]} training sequences are fewer than batch_size {batch_size}")
-        tokenize_s = time.perf_counter() - t0
-
-        model = init_toy_model(config, seed=seed, router_bias_init_std=router_bias_init_std)
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": float(training["weight_decay"])},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=float(training["lr"]),
-            betas=(float(training["beta1"]), float(training["beta2"])),
-            eps=1e-8,
-            foreach=False,
-        )
-        counter = _RoutingCounter(model)
-        batches = _batches(train_x.shape[0], batch_size, torch.Generator().manual_seed(seed))
-        losses: list[float] = []
-        t1 = time.perf_counter()
-        model.train()
-        bar = tqdm(
-            range(steps), desc="train toy laguna", file=sys.stderr, disable=not progress, mininterval=1.0
-        )
-        for step in bar:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, training)
-            idx = next(batches)
-            counter.reset()
-            logits = model(input_ids=train_x[idx]).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_y[idx].reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(training["grad_clip"]), foreach=False)
-            optimizer.step()
-            _update_router_bias(counter, float(training["router_bias_update_rate"]))
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        bar.close()
-        # expert load in the last step relative to a perfectly balanced router (1.0 = E/k share)
-        loads = [c * c.numel() / c.sum() for c in counter.counts]
-        counter.remove()
-        train_s = time.perf_counter() - t1
-
-        t2 = time.perf_counter()
-        n_eval = int(training["eval_sequences"])
-        train_eval = evaluate(
-            model, *(t[_evenly_spaced(n_eval, train_x.shape[0])] for t in (train_x, train_y)), batch_size
-        )
-        heldout_eval = evaluate(
-            model,
-            *(t[_evenly_spaced(n_eval, heldout_x.shape[0])] for t in (heldout_x, heldout_y)),
-            batch_size,
-        )
-        eval_s = time.perf_counter() - t2
-
-    uniform = math.log(config.vocab_size)
-    tail = losses[-max(1, steps // 10) :]
-    biases = torch.cat([r.e_score_correction_bias.detach().flatten() for r in _routers(model)])
-    report = {
-        "seed": seed,
-        "threads": threads,
-        "training": training,
-        "data": {
-            "conversations_train": len(train_convs),
-            "conversations_heldout": len(heldout_convs),
-            "tokens_train": int(train_x.numel()),
-            "tokens_heldout": int(heldout_x.numel()),
-            "sequences_train": int(train_x.shape[0]),
-            "tokens_seen": steps * batch_size * seq_len,
-            "epochs": steps * batch_size / train_x.shape[0],
-        },
-        "loss": {
-            "first_step": losses[0],
-            "last_steps_mean": sum(tail) / len(tail),
-            "train": train_eval["loss"],
-            "heldout": heldout_eval["loss"],
-            "uniform": uniform,
-            "heldout_over_uniform": heldout_eval["loss"] / uniform,
-        },
-        "train_eval": train_eval,
-        "heldout_eval": heldout_eval,
-        "uniform_baseline": {
-            "loss": uniform,
-            "perplexity": float(config.vocab_size),
-            "max_prob": 1 / config.vocab_size,
-        },
-        "router_bias": {
-            "min": float(biases.min()),
-            "max": float(biases.max()),
-            "nonzero": int((biases != 0).sum()),
-            "last_step_max_load": max(float(x.max()) for x in loads) if loads else None,
-            "last_step_min_load": min(float(x.min()) for x in loads) if loads else None,
-        },
-        "loss_curve": [round(x, 4) for x in losses[:: max(1, steps // 50)]],
-        "timings_s": {"tokenize": tokenize_s, "train": train_s, "eval": eval_s},
-    }
-    model.eval()
-    return model, report
-
-
 # ----------------------------------------------------------------------------------------- outliers
 
 
@@ -496,118 +239,3 @@ def apply_outliers(model: LagunaForCausalLM, outliers: dict[str, Any]) -> list[d
             picked.append(sorted(int(c) for c in chosen))
         changed.append({"layer": layer, "log2_scale": log2_scale, "channels_per_expert": picked})
     return changed
-
-
-# ----------------------------------------------------------------------------------------- build
-
-
-def _texts_for_tokenizer(conversations: list[list[dict]], heldout_every: int) -> list[str]:
-    train, _ = split_conversations(conversations, heldout_every)
-    return list(conversation_texts(train))
-
-
-def build_toy_model(
-    out_dir: Path,
-    *,
-    conversations: list[list[dict]],
-    arch: dict[str, Any],
-    tokenizer_spec: dict[str, Any],
-    training: dict[str, Any],
-    seed: int,
-    outliers: dict[str, Any] | None = None,
-    threads: int = 2,
-    num_shards: int = 2,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Train tokenizer + toy Laguna and write the upstream-layout checkpoint into the empty `out_dir`.
-
-    Also verifies that LagunaForCausalLM.from_pretrained(out_dir) reproduces the saved bf16 model's logits
-    bit for bit on a held-out batch. Returns the report also written to out_dir/training_report.json.
-    """
-    out_dir = Path(out_dir)
-    if any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} is not empty")
-    arch = with_defaults(DEFAULT_TOY_ARCH, arch, "toy arch")
-    tokenizer_spec = with_defaults(DEFAULT_TOY_TOKENIZER, tokenizer_spec, "toy tokenizer")
-    training = with_defaults(DEFAULT_TOY_TRAINING, training, "toy training")
-    start = time.perf_counter()
-
-    tokenizer = train_tokenizer(
-        _texts_for_tokenizer(conversations, int(training["heldout_every"])),
-        vocab_size=int(tokenizer_spec["vocab_size"]),
-        min_frequency=int(tokenizer_spec["min_frequency"]),
-    )
-    tokenizer_s = time.perf_counter() - start
-
-    config = toy_laguna_config(arch, tokenizer)
-    model, report = train_toy_model(
-        config,
-        conversations,
-        tokenizer,
-        training=training,
-        seed=seed,
-        threads=threads,
-        router_bias_init_std=float(arch["router_bias_init_std"]),
-        progress=progress,
-    )
-
-    t_save = time.perf_counter()
-    to_bfloat16(model)
-    with torch_threads(threads), torch.no_grad():
-        probe = token_stream(tokenizer, conversations[:8])[: int(training["seq_len"])].unsqueeze(0)
-        before = model(input_ids=probe).logits
-        outlier_report = apply_outliers(model, outliers or {"layers": []})
-        if not torch.equal(before, model(input_ids=probe).logits):
-            raise RuntimeError("toy outliers changed the bf16 model's logits (they must be exact rescalings)")
-    saved = layout.save_upstream_checkpoint(model, out_dir, num_shards=num_shards)
-    tokenizer.save_pretrained(out_dir, **SAVE_KWARGS)
-    save_s = time.perf_counter() - t_save
-
-    t_verify = time.perf_counter()
-    with torch_threads(threads):
-        # a held-out sequence longer than the sliding window, so both mask kinds are exercised
-        probe = token_stream(tokenizer, conversations[:8])[: int(training["seq_len"])].unsqueeze(0)
-        with torch.no_grad():
-            expected = model(input_ids=probe).logits
-            reloaded = LagunaForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
-            reloaded.eval()
-            actual = reloaded(input_ids=probe).logits
-    logits_identical = bool(torch.equal(expected, actual))
-    if not logits_identical:
-        raise RuntimeError("from_pretrained logits differ from the saved bf16 model's logits")
-    verify_s = time.perf_counter() - t_verify
-
-    counts = parameter_counts(model)
-    report = {
-        "model": {
-            "model_type": "laguna",
-            "num_hidden_layers": config.num_hidden_layers,
-            "hidden_size": config.hidden_size,
-            "head_dim": config.head_dim,
-            "num_attention_heads_per_layer": list(config.num_attention_heads_per_layer),
-            "num_key_value_heads": config.num_key_value_heads,
-            "layer_types": list(config.layer_types),
-            "mlp_layer_types": list(config.mlp_layer_types),
-            "sliding_window": config.sliding_window,
-            "intermediate_size": config.intermediate_size,
-            "num_experts": config.num_experts,
-            "num_experts_per_tok": config.num_experts_per_tok,
-            "moe_intermediate_size": config.moe_intermediate_size,
-            "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
-            "vocab_size": config.vocab_size,
-            "tokenizer_size": len(tokenizer),
-            "parameters": counts,
-        },
-        "arch": arch,
-        "tokenizer": tokenizer_spec,
-        **report,
-        "checkpoint": {**saved, "logits_bit_identical_after_reload": logits_identical},
-        "outliers": outlier_report,
-    }
-    report["timings_s"].update(
-        {"tokenizer": tokenizer_s, "save": save_s, "verify": verify_s, "total": time.perf_counter() - start}
-    )
-    # Timings vary run to run; they go to the caller (the manifest), not into the checkpoint, so
-    # every file of the build is bit-identical for a fixed seed.
-    layout.write_json(out_dir / "training_report.json", {k: v for k, v in report.items() if k != "timings_s"})
-    return report

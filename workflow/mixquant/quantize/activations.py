@@ -10,9 +10,10 @@ grad) over the calibration token ids, ``batch_size`` sequences per forward with 
 Routed experts, every MoE layer ``L`` (module ``model.layers.L.mlp.experts``)
     What ModelOpt's shared per-layer FP8 input quantizers of ``_QuantFusedExperts`` see: the inputs of the
     two ``F.linear`` calls of the eager expert loop (``LagunaExperts.forward``). While the experts module
-    runs, ``torch.nn.functional.linear`` is intercepted; a call whose weight is a view of ``gate_up_proj``
-    / ``down_proj`` is attributed to that projection and to expert ``(offset - base) // stride(0)`` (the
-    rule ModelOpt uses), and its *input* is reduced.
+    runs, ``torch.nn.functional.linear`` is intercepted (:mod:`mixquant.model.experts`, the one place that
+    does); a call whose weight is a view of ``gate_up_proj`` / ``down_proj`` is attributed to that
+    projection and to expert ``(offset - base) // stride(0)`` (the rule ModelOpt uses), and its *input* is
+    reduced.
 
     * ``gate_up_input_amax_per_expert`` [E]: max |x| of ``hidden_states[token_idx]`` (the tokens routed
       top-k to expert e, after ``post_attention_layernorm``), bf16 as in the model;
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +62,14 @@ from typing import Any
 
 import torch
 
-from mixquant.jsonio import temporary_beside
+from mixquant.calibration.tokens import calibration_batches
+from mixquant.checkpoint.atomic import atomic_path, write_text_atomic
+from mixquant.checkpoint.writer import save_file_sorted
+from mixquant.formats.facts import FP8_E4M3_MAX
+from mixquant.model.attention import attention_kv_hook
+from mixquant.model.experts import ExpertIntercept, intercept_expert_linears
+from mixquant.model.families import moe_experts
+from mixquant.model.streaming import StreamedModel, resolve_device
 
 __all__ = [
     "ATTENTION_STATS",
@@ -79,7 +86,6 @@ __all__ = [
 SAFETENSORS_NAME = "activation_stats.safetensors"
 JSON_NAME = "activation_stats.json"
 FORMAT_VERSION = "1"
-FP8_E4M3_MAX = 448.0
 
 # Per MoE layer.
 EXPERT_STATS = (
@@ -132,8 +138,8 @@ def modelopt_fp8_input_scale(amax: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- hooks
 
 
-class _ExpertRecorder:
-    """Per-MoE-layer accumulators, fed by the experts pre-hook and the intercepted ``F.linear``."""
+class _ExpertRecorder(ExpertIntercept):
+    """Per-MoE-layer accumulators, fed by the experts module's arguments and its intercepted ``F.linear``."""
 
     def __init__(self, layer: int, experts: torch.nn.Module, device: torch.device):
         self.layer = layer
@@ -145,6 +151,16 @@ class _ExpertRecorder:
         self.routed = torch.zeros(n, dtype=torch.int64, device=device)
         self.rows_gate_up = torch.zeros(n, dtype=torch.int64)
         self.rows_down = torch.zeros(n, dtype=torch.int64)
+
+    def enter(self, args: tuple) -> None:
+        hidden_states, top_k_index = args[0], args[1]
+        if hidden_states.dim() != 2:
+            raise RuntimeError(f"layer {self.layer}: expected [tokens, hidden] expert input")
+        self.route(top_k_index)
+
+    def linear_input(self, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.record(input, weight)
+        return input
 
     def expert_of(self, weight: torch.Tensor, param: torch.Tensor) -> int | None:
         """Expert index if ``weight`` is a ``param[e]`` view (same storage), else None."""
@@ -190,46 +206,8 @@ class _ExpertRecorder:
 
 
 @contextlib.contextmanager
-def _intercept_expert_linears(recorders: dict[int, _ExpertRecorder]) -> Iterator[None]:
-    """Record the inputs of the expert ``F.linear`` calls of each MoE layer while its experts module runs."""
-    import torch.nn.functional as F
-
-    orig_linear = F.linear
-    active: list[_ExpertRecorder] = []
-
-    def linear(input, weight, bias=None):
-        if active:
-            active[-1].record(input, weight)
-        return orig_linear(input, weight, bias)
-
-    handles = []
-    for rec in recorders.values():
-
-        def pre_hook(module, args, rec=rec):
-            hidden_states, top_k_index = args[0], args[1]
-            if hidden_states.dim() != 2:
-                raise RuntimeError(f"layer {rec.layer}: expected [tokens, hidden] expert input")
-            rec.route(top_k_index)
-            active.append(rec)
-
-        def post_hook(module, args, output, rec=rec):
-            active.pop()
-
-        handles.append(rec.experts.register_forward_pre_hook(pre_hook))
-        handles.append(rec.experts.register_forward_hook(post_hook))
-    F.linear = linear
-    try:
-        yield
-    finally:
-        F.linear = orig_linear
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
 def _intercept_attention(model: torch.nn.Module, k_amax: dict, v_amax: dict) -> Iterator[None]:
     """Record max |K| / |V| handed to the attention function (after k_norm + RoPE / after v_proj)."""
-    from mixquant.model.attention import attention_kv_hook
 
     def record(layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for store, x in ((k_amax, key), (v_amax, value)):
@@ -273,9 +251,6 @@ def collect_activation_stats(
     import transformers
     from tqdm import tqdm
 
-    from mixquant.calibration.tokens import calibration_batches
-    from mixquant.model.streaming import StreamedModel, resolve_device
-
     batches = calibration_batches(calibration_ids, batch_size)
     ids = calibration_ids.detach().to(torch.long)
     device = resolve_device(device)
@@ -301,17 +276,14 @@ def collect_activation_stats(
         if config._experts_implementation != "eager":
             raise RuntimeError(f"experts implementation is {config._experts_implementation!r}, need 'eager'")
         layers = model.model.layers
-        moe = [
-            i
-            for i, layer in enumerate(layers)
-            if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj")
-        ]
-        recorders = {i: _ExpertRecorder(i, layers[i].mlp.experts, device) for i in moe}
+        experts = moe_experts(model)
+        moe = sorted(experts)
+        recorders = {i: _ExpertRecorder(i, experts[i], device) for i in moe}
         k_amax: dict[int, torch.Tensor] = {}
         v_amax: dict[int, torch.Tensor] = {}
         with (
             torch.no_grad(),
-            _intercept_expert_linears(recorders),
+            intercept_expert_linears({rec.experts: rec for rec in recorders.values()}),
             _intercept_attention(model, k_amax, v_amax),
         ):
             if stream is not None:
@@ -347,7 +319,7 @@ def collect_activation_stats(
         "num_batches": str(len(batches)),
         "num_hidden_layers": str(len(layers)),
         "moe_layers": json.dumps(moe),
-        "num_experts": str(int(layers[moe[0]].mlp.experts.num_experts)),
+        "num_experts": str(int(experts[moe[0]].num_experts)),
         "num_experts_per_tok": str(int(config.num_experts_per_tok)),
         "dtype": "bfloat16",
         "experts_implementation": str(config._experts_implementation),
@@ -371,8 +343,6 @@ def _tensor_name(layer: int, stat: str) -> str:
 def save_activation_stats(stats: dict, out_dir: Path) -> None:
     """Write ``activation_stats.safetensors`` (tensors ``layers.{L}.{stat}`` + string metadata) and
     ``activation_stats.json`` (metadata and the values, for reading) to ``out_dir``; atomic renames."""
-    from mixquant.export.checkpoint import save_file_sorted  # lazy: export imports quantize
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -393,22 +363,9 @@ def save_activation_stats(stats: dict, out_dir: Path) -> None:
         "where": json.loads(metadata["where"]) if "where" in metadata else WHERE,
         "layers": summary_layers,
     }
-    _atomic_write(out_dir / SAFETENSORS_NAME, lambda tmp: save_file_sorted(tensors, tmp, metadata))
-    _atomic_write(
-        out_dir / JSON_NAME,
-        lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n"),
-    )
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = temporary_beside(path)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(out_dir / SAFETENSORS_NAME) as tmp:
+        save_file_sorted(tensors, tmp, metadata)
+    write_text_atomic(out_dir / JSON_NAME, json.dumps(summary, indent=1, sort_keys=True) + "\n")
 
 
 def load_activation_stats(path: Path) -> dict:

@@ -41,6 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
+from mixquant.formats.facts import BF16, FORMATS, FP8, NVFP4
+from mixquant.model.families import architecture, experts_module_name
 
 __all__ = [
     "BF16",
@@ -56,10 +60,6 @@ __all__ = [
     "modelopt_reference_export",
 ]
 
-NVFP4 = "nvfp4_w4a16"
-FP8 = "fp8"
-BF16 = "bf16"
-FORMATS = (NVFP4, FP8, BF16)
 NVFP4_ALGORITHMS = ("fp8_sweep", "mse", "max")
 FP8_WEIGHT_ALGORITHMS = ("mse", "max")
 
@@ -169,7 +169,7 @@ def expert_quantizer_pattern(layer: int, kind: str) -> str:
     """
     if kind not in ("weight", "input"):
         raise ValueError(f"kind must be 'weight' or 'input', got {kind!r}")
-    return f"model.layers.{int(layer)}.mlp.experts.*{kind}_quantizer"
+    return f"{experts_module_name(layer)}.*{kind}_quantizer"
 
 
 def _preset_quantizer_cfg(preset: Mapping[str, Any], quantizer_name: str) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def modelopt_placement_quant_cfg(
     """
     import modelopt.torch.quantization as mtq
 
-    from mixquant.formats.nvfp4 import nvfp4_w4a16_static_config
+    from mixquant.formats.nvfp4 import nvfp4_w4a16_static_config  # lazy: imports modelopt
 
     placement = _validate_placement(placement)
     plan = modelopt_calibration_plan(nvfp4_algorithm, fp8_weight_algorithm, set(placement.values()))
@@ -243,7 +243,7 @@ def _refine_weights(model: torch.nn.Module, placement: Mapping[int, str], plan: 
 
     done = []
     for fmt, kwargs in plan.refine.items():
-        names = {f"model.layers.{layer}.mlp.experts" for layer, f in placement.items() if f == fmt}
+        names = {experts_module_name(layer) for layer, f in placement.items() if f == fmt}
         name_to_module = {n: m for n, m in model.named_modules() if n in names}
         if not name_to_module:
             continue
@@ -266,8 +266,6 @@ def _calibration_forward_loop(calibration_ids: torch.Tensor, batch_size: int):
 
 
 def _exported_tensor_names(out_dir: Path) -> list[str]:
-    from safetensors import safe_open
-
     index = out_dir / "model.safetensors.index.json"
     if index.exists():
         return sorted(json.loads(index.read_text())["weight_map"])
@@ -318,8 +316,7 @@ def modelopt_reference_export(
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
-    from mixquant.model.families import architecture
+    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # lazy: imports modelopt
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     placement = _validate_placement(placement)

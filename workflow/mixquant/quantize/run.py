@@ -15,8 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from mixquant import faults
+from mixquant.calibration.tokens import load_token_ids
+from mixquant.checkpoint.shards import ShardReader
+from mixquant.formats.facts import FP8
 from mixquant.keys.manifest import publish_keyed_dir
 from mixquant.model.fetch import resolve_model_dir
+from mixquant.quantize.activations import (
+    collect_activation_stats,
+    load_activation_stats,
+    save_activation_stats,
+)
+from mixquant.quantize.layer import quantize_layer, save_layer_result
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +39,6 @@ def run_collect_activation_stats(
     preimage: dict[str, Any],
 ) -> Path:
     """One layer-streamed BF16 forward over the calibration tokens recording expert-input and K/V amax."""
-    from mixquant.calibration.tokens import load_token_ids
-    from mixquant.checkpoint.shards import ShardReader
-    from mixquant.quantize.activations import collect_activation_stats, save_activation_stats
-
     ids = load_token_ids(Path(calibration) / "calibration.safetensors")
     reader = ShardReader(resolve_model_dir(model))
     reader.check_all()  # a broken shard stops here with one line naming it
@@ -55,8 +60,6 @@ def run_collect_activation_stats(
 def activation_amax_for_layer(activations: str | Path | dict[str, Any], layer: int) -> dict[str, Any]:
     """The layer-shared FP8 input amax values (and per-expert routed counts) of one MoE layer, from the
     activation statistics' directory or the statistics already loaded from it."""
-    from mixquant.quantize.activations import load_activation_stats
-
     stats = activations if isinstance(activations, dict) else load_activation_stats(Path(activations))
     return {
         "gate_up": stats["gate_up_input_amax"][layer],
@@ -80,14 +83,10 @@ def run_quantize_layer(
 ) -> Path:
     """Quantize the routed experts of every MoE layer of one window into one format, one layer at a time
     (streamed from the source shards; only one layer's result is held in memory)."""
-    from mixquant.quantize.layer import quantize_layer, save_layer_result
-
     fmt, layers = settings["format"], [int(layer) for layer in settings["layers"]]
     model_dir = resolve_model_dir(model)
     stats = None
-    if fmt == "fp8":
-        from mixquant.quantize.activations import load_activation_stats
-
+    if fmt == FP8:
         stats = load_activation_stats(Path(activations))
     summary: dict[str, Any] = {}
     per_layer: dict[str, Any] = {}

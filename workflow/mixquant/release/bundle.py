@@ -39,8 +39,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mixquant.export.inspect import QUANT_CONFIG_FILE
-from mixquant.export.run import AUDIT_FILE as CHECKPOINT_AUDIT
+from mixquant.export.files import AUDIT_FILE as CHECKPOINT_AUDIT
+from mixquant.export.files import QUANT_CONFIG_FILE
 from mixquant.jsonio import read_json
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir

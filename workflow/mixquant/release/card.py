@@ -16,11 +16,15 @@ from typing import Any
 
 import yaml
 
-from mixquant.export.inspect import QUANT_CONFIG_FILE
-from mixquant.export.predict import ROUTED_FORMAT_BITS as FORMAT_BITS
+from mixquant.export.files import QUANT_CONFIG_FILE
 from mixquant.export.predict import routed_effective_bits
+from mixquant.formats.facts import BF16, FP8, NVFP4
+from mixquant.formats.facts import ROUTED_FORMAT_BITS as FORMAT_BITS
+from mixquant.kld.report import comparison_table, table_markdown
 from mixquant.kld.run import LOGITS_FILE
+from mixquant.model.families import DEFAULT_MODEL_TYPE
 from mixquant.model.layout import INDEX_FILE
+from mixquant.numerics import fingerprint_differences
 from mixquant.release.hashes import (
     HASH_KINDS,
     HASH_NAMES,
@@ -31,7 +35,7 @@ from mixquant.release.hashes import (
 )
 from mixquant.release.serving import serving_section
 
-FORMAT_LABELS = {"nvfp4_w4a16": "NVFP4 W4A16", "fp8": "FP8 W8A8", "bf16": "BF16"}
+FORMAT_LABELS = {NVFP4: "NVFP4 W4A16", FP8: "FP8 W8A8", BF16: "BF16"}
 # The Hub library of ModelOpt checkpoints, as NVIDIA's own declare it (e.g. nvidia/Llama-3.1-8B-Instruct-FP4:
 # `library_name: Model Optimizer`). Not transformers: its AutoModelForCausalLM refuses a ModelOpt
 # MIXED_PRECISION checkpoint ("Unknown quantization type, got modelopt"); vLLM serves it.
@@ -112,14 +116,19 @@ def source_model(recipe: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def release_name(recipe: Mapping[str, Any], counts: Mapping[str, int]) -> str:
-    """``release.name``, the name part of ``release.repo_id``, or '<source>-MixQuant-<n>xNVFP4-<n>xFP8'."""
+def release_name(recipe: Mapping[str, Any], counts: Mapping[str, int], model_type: str | None = None) -> str:
+    """``release.name``, the name part of ``release.repo_id``, or '<source>-MixQuant-<n>xNVFP4-<n>xFP8'
+    (the source: the hub repo's name, else '<kind>-<model_type>', e.g. 'toy-laguna')."""
     if recipe["release"].get("name"):
         return str(recipe["release"]["name"])
     if recipe["release"].get("repo_id"):
         return str(recipe["release"]["repo_id"]).split("/")[-1]
     source = source_model(recipe)
-    base = source["repo"].split("/")[-1] if source["repo"] else f"{source['kind']}-laguna"
+    base = (
+        source["repo"].split("/")[-1]
+        if source["repo"]
+        else f"{source['kind']}-{model_type or DEFAULT_MODEL_TYPE}"
+    )
     mix = "-".join(f"{counts[fmt]}x{FORMAT_LABELS[fmt].split()[0]}" for fmt in FORMAT_BITS if counts.get(fmt))
     return f"{base}-MixQuant-{mix}"
 
@@ -254,7 +263,7 @@ def candidate_bits(inputs: CardInputs, gate: Mapping[str, Any]) -> float | None:
     if source == "searched":
         return float(inputs.inspection["routed_effective_bits"])
     if source == "bf16":
-        return float(FORMAT_BITS["bf16"])
+        return float(FORMAT_BITS[BF16])
     if source == "uniform" and spec is not None:
         return float(FORMAT_BITS[spec["format"]])
     formats = ((gate.get("engine") or {}).get("checkpoint") or {}).get("layer_formats") or {}
@@ -288,8 +297,6 @@ def _with_bits_column(table: str, bits: Sequence[str]) -> list[str]:
 
 
 def _kld_section(inputs: CardInputs) -> list[str]:
-    from mixquant.kld.report import comparison_table, table_markdown
-
     kld = inputs.recipe["kld"]
     rows = [
         {
@@ -460,8 +467,6 @@ def _status_section(inputs: CardInputs) -> list[str]:
 
 
 def _published_numerics_lines(inputs: CardInputs) -> list[str]:
-    from mixquant.numerics import fingerprint_differences
-
     pinned = (inputs.recipe.get("published") or {}).get("numerics")
     if pinned is None or inputs.numerics is None:
         return []
@@ -493,7 +498,7 @@ def _files_section(inputs: CardInputs) -> list[str]:
 def model_card(inputs: CardInputs) -> str:
     """README.md text: ``---`` YAML front matter ``---`` and the Markdown sections."""
     counts = {fmt: int(n) for fmt, n in inputs.inspection["placement_counts"].items()}
-    name = release_name(inputs.recipe, counts)
+    name = release_name(inputs.recipe, counts, inputs.model_type)
     meta = front_matter(inputs, name)
     source = source_model(inputs.recipe)
     mix = ", ".join(f"{counts.get(f, 0)} {FORMAT_LABELS[f]}" for f in FORMAT_BITS)

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mixquant.export.inspect import QUANT_CONFIG_FILE
+from safetensors import safe_open
+
+from mixquant.calibration.tokens import load_token_ids, token_ids_sha256
+from mixquant.export.files import QUANT_CONFIG_FILE
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
-from mixquant.kld.run import LOGITS_FILE, REFERENCE_JSON
+from mixquant.kld.run import LOGITS_FILE, REFERENCE_JSON, logits_sha256
 from mixquant.model.layout import INDEX_FILE
 from mixquant.release.published import HASH_NAMES, HASH_SOURCES
 
@@ -158,18 +161,12 @@ def numerics_text(decisive: Mapping[str, Any]) -> str:
 
 
 def prompt_token_ids_hash(prompt_dir: str | Path) -> HashRecord:
-    from mixquant.calibration.tokens import load_token_ids, token_ids_sha256
-
     source = artifact_file(prompt_dir, PROMPT_FILE, "pin_prompt")
     sha = token_ids_sha256(load_token_ids(source.path))
     return HashRecord("prompt_token_ids", sha, source, PROMPT_ENCODING)
 
 
 def reference_logits_hash(reference_dir: str | Path) -> HashRecord:
-    from safetensors import safe_open
-
-    from mixquant.kld.run import logits_sha256
-
     source = artifact_file(reference_dir, LOGITS_FILE, "reference_logits")
     with safe_open(str(source.path), framework="pt") as handle:
         if "logits" not in handle.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__

@@ -7,12 +7,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mixquant.keys.artifacts import SETTINGS_SECTIONS
 from mixquant.keys.hashing import require_sha256_hex
 
 # The order of PublishedHashes' fields (config ``published``), which is also the report's order.
 HASH_NAMES = ("prompt_token_ids", "reference_logits", "quant_config", "safetensors_index")
-# The artifact each hash is read from, as `mixquant.keys.artifacts` names it, and that artifact's stage.
+# The config sections whose short hashes `published.made_from.settings` pins: those an artifact's recipe
+# can be made from (results_dir, software, published, expected and release never enter one).
+SETTINGS_SECTIONS = (
+    "model",
+    "tokenizer",
+    "dataset",
+    "calibration",
+    "prompt",
+    "placement",
+    "quantize",
+    "export",
+    "kld",
+    "numerics",
+)
+# The artifact each hash is read from, as the artifact graph (`mixquant.graph`) names it, and that
+# artifact's stage.
 HASH_SOURCES = {
     "prompt_token_ids": "prompt",
     "reference_logits": "reference_logits",

@@ -3,7 +3,7 @@
 Running the workflow from the recipe alone (``snakemake --configfile quantization_recipe.yaml``) rebuilds
 the same checkpoint: every setting is resolved (defaults filled in), and the placement the search chose
 becomes ``placement.source: explicit`` with its layer map. Keys do not depend on how the placement was
-found -- the export's key holds the placement by content (``mixquant.keys.artifacts._export_artifact``) --
+found -- the export's key holds the placement by content (``mixquant.graph.rebuild.add_export``) --
 so the recipe reproduces the keys of the model, calibration, activation statistics, every placed layer x
 format result, the checkpoint and the KLD runs on it. ``results_dir`` (a path, not a setting) is left out:
 the replay writes under the default ``results/``.
@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from mixquant.config import MixquantConfig, load_config_file, validate_config
-from mixquant.export.predict import FORMATS as FORMAT_ORDER
+from mixquant.formats.facts import BF16
+from mixquant.formats.facts import FORMATS as FORMAT_ORDER
 
 RECIPE_FILE = "quantization_recipe.yaml"
 
@@ -50,7 +51,7 @@ def explicit_placement(placement: Mapping[int, str]) -> dict[str, Any]:
     unknown = sorted({fmt for fmt in placement.values() if fmt not in FORMAT_ORDER})
     if unknown:
         raise ValueError(f"placement names unknown format {unknown[0]!r}")
-    return {"default_format": "bf16", "layers": entries}
+    return {"default_format": BF16, "layers": entries}
 
 
 def recipe_document(cfg: MixquantConfig, placement: Mapping[int, str]) -> dict[str, Any]:

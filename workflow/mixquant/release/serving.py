@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mixquant.kld.settings import VLLM_KV_CACHE_DTYPES
+
 PLACEHOLDER_ORG = "<your-org>"  # the serve commands' namespace while release.repo_id is unset
 
 
@@ -26,8 +28,6 @@ def serve_commands(recipe: Mapping[str, Any], model_id: str) -> list[str]:
     quantization_config (the KLD engine loads them the same way); ``--kv-cache-dtype`` is always explicit
     ("auto" would adopt the checkpoint's FP8 KV scales), with the mapping the vllm engine pins.
     """
-    from mixquant.kld.engines import VLLM_KV_CACHE_DTYPES
-
     kld = recipe["kld"]
     commands = []
     for kv in kld["kv_cache_dtypes"]:

@@ -5,12 +5,22 @@ onsuccess, mixquant.planning.report_run_end), before where the release and the c
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from mixquant.jsonio import read_json
-from mixquant.keys.artifacts import PLACEMENT_FILE, Artifact
 from mixquant.kld.run import AGGREGATE_JSON
 from mixquant.release.verify import VERIFY_JSON
+from mixquant.search.run import PLACEMENT_FILE
+
+
+class Artifact(Protocol):
+    """What the summary reads of a planned artifact (:class:`mixquant.graph.Artifact`)."""
+
+    path: Path
+
+    @property
+    def done(self) -> bool: ...
 
 
 def _bits(value: Any) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +44,9 @@ from typing import Any
 import torch
 
 from mixquant import faults
-from mixquant.costs import STACK_LIMIT
+from mixquant.checkpoint.atomic import atomic_path, write_text_atomic
+from mixquant.checkpoint.writer import tensor_record, write_safetensors
+from mixquant.facts import STACK_LIMIT
 from mixquant.model.streaming import StreamedModel
 from mixquant.preemption import Preempted, stop_requested
 from mixquant.search.score import LayerQuant, kl_sum, quantized_experts
@@ -110,22 +111,18 @@ def _save_state(
     """The pass's hidden states after a layer: one safetensors file per stream (the reference, each
     branch), so the host holds one stream's states at a time, then ``progress.json`` naming them -- the
     file that makes a state valid, written last and atomically (a kill mid-save leaves the previous one)."""
-    from safetensors.torch import save_file
-
     state_dir.mkdir(parents=True, exist_ok=True)
     streams = {"ref": ref, **{f"branch.{layer}.{fmt}": states for (layer, fmt), states in branches.items()}}
     files = {}
     for name, states in streams.items():
         file = f"{name}.layer{next_layer}.safetensors"
-        tmp = state_dir / f".{file}.{os.getpid()}.tmp"
-        save_file({str(b): h.contiguous().cpu() for b, h in enumerate(states)}, str(tmp))
-        os.replace(tmp, state_dir / file)
+        with atomic_path(state_dir / file) as tmp:
+            records = [tensor_record(str(b), h.contiguous().cpu()) for b, h in enumerate(states)]
+            write_safetensors(tmp, records, metadata=None, fsync=False)
         files[name] = file
         faults.point("stream-state-saved", "score_sensitivity")  # a stream saved, progress.json not yet
     progress = {"state_key": state_key, "next_layer": next_layer, "micro_batches": len(ref), "files": files}
-    tmp = state_dir / f".{PROGRESS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(progress, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, state_dir / PROGRESS_FILE)
+    write_text_atomic(state_dir / PROGRESS_FILE, json.dumps(progress, indent=1, sort_keys=True) + "\n")
     faults.point("progress-saved", "score_sensitivity")
     for stale in state_dir.glob("*.safetensors"):  # an earlier layer's states
         if stale.name not in files.values():

@@ -10,6 +10,8 @@ float64.
 from __future__ import annotations
 
 import contextlib
+import math
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,9 +50,6 @@ def random_placements(placement: Mapping[int, str], count: int, *, seed: int = 0
     Every MoE layer has the same number of routed weights, so a permutation has exactly the same effective
     bits. Drawn with a seeded ``random.Random``; fewer are returned when fewer distinct ones exist.
     """
-    import math
-    import random
-
     layers = sorted(placement)
     formats = [placement[layer] for layer in layers]
     distinct = math.factorial(len(formats))

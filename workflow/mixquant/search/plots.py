@@ -19,8 +19,8 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from mixquant.jsonio import temporary_beside
-from mixquant.search.solve import FORMAT_BITS
+from mixquant.checkpoint.atomic import atomic_open
+from mixquant.search.groups import FORMAT_BITS
 
 __all__ = ["plot_frontier", "plot_score_heatmap"]
 
@@ -28,18 +28,10 @@ DPI = 120
 
 
 def _save(fig: Figure, out_path: str | os.PathLike[str]) -> Path:
-    """Write ``fig`` as PNG to ``out_path`` atomically (same-directory temp file + ``os.replace``)."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_beside(out)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            fig.savefig(handle, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    """Write ``fig`` as PNG to ``out_path`` atomically (:mod:`mixquant.checkpoint.atomic`)."""
+    with atomic_open(out_path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
+    return Path(out_path)
 
 
 def _new_figure(width: float, height: float) -> Figure:

@@ -67,21 +67,18 @@ warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
 import modelopt.torch.quantization as mtq  # noqa: E402
 
+from mixquant.calibration.tokens import calibration_batches  # noqa: E402
 from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # noqa: E402
+from mixquant.formats.facts import BF16, FP8, NVFP4  # noqa: E402
+from mixquant.model.families import experts_module_name, moe_experts  # noqa: E402
 
-__all__ = ["BF16", "MODELOPT_FORMATS", "experts_module_name", "modelopt_kl_div_scores"]
+__all__ = ["BF16", "MODELOPT_FORMATS", "modelopt_kl_div_scores"]
 
-BF16 = "bf16"
 # ModelOpt's shipped presets (max calibration); deep-copied at use so ModelOpt's shared dicts stay intact.
 MODELOPT_FORMATS: dict[str, dict[str, Any]] = {
-    "nvfp4_w4a16": mtq.W4A16_NVFP4_CFG,
-    "fp8": mtq.FP8_DEFAULT_CFG,
+    NVFP4: mtq.W4A16_NVFP4_CFG,
+    FP8: mtq.FP8_DEFAULT_CFG,
 }
-
-
-def experts_module_name(layer: int) -> str:
-    """Module name of the fused routed experts of MoE layer ``layer`` (one auto_quantize group)."""
-    return f"model.layers.{int(layer)}.mlp.experts"
 
 
 @contextlib.contextmanager
@@ -94,14 +91,6 @@ def _quiet(enabled: bool) -> Iterator[None]:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         yield
-
-
-def _moe_layers(model: torch.nn.Module) -> list[int]:
-    return [
-        i
-        for i, layer in enumerate(model.model.layers)
-        if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj")
-    ]
 
 
 def _forward_step(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -150,11 +139,9 @@ def modelopt_kl_div_scores(
     if unknown or not formats or len(set(formats)) != len(formats):
         raise ValueError(f"formats must be distinct names from {sorted(MODELOPT_FORMATS)}, got {formats}")
     layers = sorted({int(layer) for layer in layers})
-    moe = _moe_layers(model)
+    moe = sorted(moe_experts(model))
     if not layers or not set(layers) <= set(moe):
         raise ValueError(f"layers must be a non-empty subset of the MoE layers {moe}, got {layers}")
-    from mixquant.calibration.tokens import calibration_batches
-
     batches = calibration_batches(calibration_ids, batch_size)
 
     targets = {experts_module_name(layer): layer for layer in layers}

@@ -6,13 +6,28 @@ import csv
 import io
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from mixquant.formats.facts import BF16, FORMATS, FP8, ROUTED_FORMAT_BITS
 from mixquant.keys.manifest import publish_keyed_dir
+from mixquant.model.families import (
+    DEFAULT_MODEL_TYPE,
+    UnsupportedArchitecture,
+    architecture,
+    experts_module_name,
+)
 from mixquant.model.fetch import resolve_model_dir
 from mixquant.preemption import stop_at_checkpoints
+from mixquant.search.groups import (
+    PlacementInfeasible,
+    SearchGroup,
+    effective_bits,
+    max_effective_bits,
+    min_effective_bits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +37,6 @@ AUDIT_FILE = "placement_audit.json"
 FRONTIER_CSV = "frontier.csv"
 FRONTIER_PNG = "frontier.png"
 HEATMAP_PNG = "scores_heatmap.png"
-FORMATS = ("nvfp4_w4a16", "fp8", "bf16")
 NORMALISATION = (
     "kl_per_token = sum over calibration tokens t and vocabulary v of p_ref(v|t) * (log p_ref - log p_q), "
     "divided by the number of tokens (every position of every calibration sequence)"
@@ -51,14 +65,12 @@ def run_score_sensitivity(
     quant of the BF16 weights (``weights: max``, FP8 input amax from ``activations``). A killed job
     resumes from the hidden states it saved beside its output (``.partial-<key>``); on SIGTERM (SLURM's time
     limit, preemption) it saves them after the layer it is in and stops, for the retry to resume."""
-    import shutil
-
     import torch
     from safetensors.torch import load_file
 
+    # lazy: these import torch (planning imports this module for search_groups)
     from mixquant.calibration.tokens import load_token_ids
     from mixquant.checkpoint.shards import ShardReader
-    from mixquant.model.families import architecture
     from mixquant.model.streaming import StreamedModel
     from mixquant.quantize.layer import LAYER_FILE
     from mixquant.quantize.run import activation_amax_for_layer, layer_result_dir
@@ -83,8 +95,8 @@ def run_score_sensitivity(
         raise PlacementSearchError(f"score sequences {first}-{stop - 1}: the calibration has {ids.shape[0]}")
     device = settings.get("numerics", {}).get("device", "cpu")
     stats = None
-    if weights == "max" and any(fmt == "fp8" for _, fmt in wanted):
-        from mixquant.quantize.activations import load_activation_stats
+    if weights == "max" and any(fmt == FP8 for _, fmt in wanted):
+        from mixquant.quantize.activations import load_activation_stats  # lazy: imports torch
 
         stats = load_activation_stats(Path(activations))
 
@@ -92,7 +104,7 @@ def run_score_sensitivity(
         if weights == "rebuild":
             tensors = load_file(str(layer_result_dir(windows[(layer, fmt)], layer) / LAYER_FILE))
             return layer_quant_from_tensors(tensors, layer, fmt, arch=arch)
-        amax = activation_amax_for_layer(stats, layer) if fmt == "fp8" else None
+        amax = activation_amax_for_layer(stats, layer) if fmt == FP8 else None
         return modelopt_search_quant(stream.model, layer, fmt, amax)
 
     out_dir = Path(out_dir)
@@ -159,10 +171,8 @@ def checkpoint_interval(settings: dict[str, Any]) -> float:
 def routed_group_size(model_config: dict[str, Any]) -> tuple[int, float]:
     """(weights in one MoE layer's routed experts, active ratio top_k / num_experts) from config.json, as
     its family's architecture defines them (mixquant.model.families)."""
-    from mixquant.model.families import UnsupportedArchitecture, architecture
-
     config = dict(model_config)
-    config.setdefault("model_type", "laguna")
+    config.setdefault("model_type", DEFAULT_MODEL_TYPE)
     try:
         arch = architecture(config)
     except (UnsupportedArchitecture, KeyError, TypeError, ValueError) as exc:
@@ -183,8 +193,6 @@ def _read_scores(paths: dict[str, Path]) -> list[dict[str, Any]]:
 
 def search_groups(settings: dict[str, Any], table: dict[int, dict[str, float]], model_config: dict) -> list:
     """One :class:`SearchGroup` per MoE layer: allowed formats (a pin allows one) with their scores."""
-    from mixquant.search.solve import SearchGroup
-
     numel, active = routed_group_size(model_config)
     weight = active if settings["cost_model"] == "active_moe" else 1.0
     pins = {int(layer): fmt for layer, fmt in settings["pins"].items()}
@@ -193,7 +201,7 @@ def search_groups(settings: dict[str, Any], table: dict[int, dict[str, float]], 
         allowed = [pins[layer]] if layer in pins else list(settings["formats"])
         scores = {}
         for fmt in allowed:
-            if fmt == "bf16":
+            if fmt == BF16:
                 scores[fmt] = 0.0
             elif fmt in table.get(layer, {}):
                 scores[fmt] = table[layer][fmt]
@@ -201,7 +209,7 @@ def search_groups(settings: dict[str, Any], table: dict[int, dict[str, float]], 
                 raise PlacementSearchError(
                     f"layer {layer}: no {fmt} score among the score_sensitivity results"
                 )
-        groups.append(SearchGroup(f"model.layers.{layer}.mlp.experts", numel, scores, weight))
+        groups.append(SearchGroup(experts_module_name(layer), numel, scores, weight))
     return groups
 
 
@@ -227,16 +235,10 @@ def run_solve_placement(
     **scores: str | Path,
 ) -> Path:
     """Exact placement under the bit budget, its audit, the bits-to-KL frontier and the plots."""
+    # lazy: imports matplotlib, torch and pulp (planning imports this module)
     from mixquant.search.plots import plot_frontier, plot_score_heatmap
     from mixquant.search.score import scores_table
-    from mixquant.search.solve import (
-        PlacementInfeasible,
-        effective_bits,
-        frontier,
-        max_effective_bits,
-        min_effective_bits,
-        solve_placement,
-    )
+    from mixquant.search.solve import frontier, solve_placement
 
     model_config = json.loads((resolve_model_dir(model) / "config.json").read_text(encoding="utf-8"))
     results = _read_scores({role: Path(path) for role, path in scores.items()})
@@ -270,7 +272,7 @@ def run_solve_placement(
             "effective_bits": solution.effective_bits,
             "min_effective_bits": min_effective_bits(groups),
             "cost_model": settings["cost_model"],
-            "format_bits": {"nvfp4_w4a16": 4.5, "fp8": 8.0, "bf16": 16.0},
+            "format_bits": dict(ROUTED_FORMAT_BITS),
         },
         "objective": solution.objective,
         "normalisation": NORMALISATION,

@@ -37,6 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixquant.calibration.tokens import calibration_batches
+from mixquant.formats.dequant import dequantize_tensors
+from mixquant.model.experts import amax_from_input_scale, fp8_expert_inputs, swapped_experts
+from mixquant.model.families import default_expert_weight, experts_of
+
 __all__ = [
     "LayerQuant",
     "kl_sum",
@@ -76,11 +81,6 @@ class LayerQuant:
     down_input_amax: torch.Tensor | None = None
 
 
-def _amax_from_input_scale(scale: torch.Tensor) -> torch.Tensor:
-    """ModelOpt exports input_scale = fp32(amax) / 448 of a bf16 amax; invert exactly (round to bf16)."""
-    return (scale.float() * 448.0).to(torch.bfloat16).float()
-
-
 def layer_quant_from_tensors(
     tensors: Mapping[str, torch.Tensor],
     layer: int,
@@ -95,10 +95,11 @@ def layer_quant_from_tensors(
     Dequantized one expert at a time straight into the fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors, so
     the routed experts are held once in the model dtype (plus one expert's temporaries).
     """
-    from mixquant.quantize.layer import dequantize_tensors, expert_weight_name
 
     def weight_name(e: int, proj: str) -> str:
-        return arch.expert_weight(layer, e, proj) if arch is not None else expert_weight_name(layer, e, proj)
+        if arch is not None:
+            return arch.expert_weight(layer, e, proj)
+        return default_expert_weight(layer, e, proj)
 
     experts = []
     while weight_name(len(experts), "gate_proj") in tensors:
@@ -140,7 +141,7 @@ def layer_quant_from_tensors(
                 raise ValueError(
                     f"layer {layer}: {proj} input_scale differs across experts ({sorted(scales)})"
                 )
-            amax[kind] = _amax_from_input_scale(tensors[names[0]])
+            amax[kind] = amax_from_input_scale(tensors[names[0]])
     return LayerQuant(layer, fmt, gate_up, down, amax["gate_up"], amax["down"])
 
 
@@ -164,7 +165,7 @@ def modelopt_search_quant(
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant
+    from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # lazy: imports modelopt
 
     preset = getattr(mtq, MODELOPT_PRESETS[fmt])
     cfg = next(
@@ -172,7 +173,7 @@ def modelopt_search_quant(
         for entry in preset["quant_cfg"]
         if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry
     )
-    experts = model.model.layers[layer].mlp.experts
+    experts = experts_of(model, layer)
     fused = []
     with cpu_nvfp4_fake_quant(), torch.no_grad():
         for param in (experts.gate_up_proj, experts.down_proj):
@@ -194,54 +195,12 @@ def modelopt_search_quant(
 @contextlib.contextmanager
 def quantized_experts(model: torch.nn.Module, quant: LayerQuant) -> Iterator[None]:
     """Swap ``quant``'s weights into its layer's experts (and fake-quantize FP8 inputs) for the duration."""
-    experts = model.model.layers[quant.layer].mlp.experts
-    params = (experts.gate_up_proj, experts.down_proj)
-    new = (quant.gate_up, quant.down)
-    for param, value in zip(params, new, strict=True):
-        if param.shape != value.shape:
-            raise ValueError(
-                f"layer {quant.layer}: quantized {tuple(value.shape)} vs model {tuple(param.shape)}"
-            )
-    saved = [param.data for param in params]
-    for param, value in zip(params, new, strict=True):
-        param.data = value.to(device=param.device, dtype=param.dtype)
-    handles = []
-    orig_linear = F.linear
-    if quant.fmt == "fp8":
-        from modelopt.torch.quantization.tensor_quant import scaled_e4m3_impl
-
-        amax = {
-            "gate_up": quant.gate_up_input_amax.to(experts.gate_up_proj.device),
-            "down": quant.down_input_amax.to(experts.gate_up_proj.device),
-        }
-        active = []
-
-        def linear(input, weight, bias=None):
-            if active:
-                same = weight.untyped_storage().data_ptr()
-                if same == experts.gate_up_proj.untyped_storage().data_ptr():
-                    input = scaled_e4m3_impl(input, amax["gate_up"])
-                elif same == experts.down_proj.untyped_storage().data_ptr():
-                    input = scaled_e4m3_impl(input, amax["down"])
-            return orig_linear(input, weight, bias)
-
-        def enter(module, args) -> None:
-            active.append(True)
-
-        def leave(module, args, output) -> None:  # must return None: a value would replace the output
-            active.pop()
-
-        handles.append(experts.register_forward_pre_hook(enter))
-        handles.append(experts.register_forward_hook(leave))
-        F.linear = linear
-    try:
+    experts = experts_of(model, quant.layer)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(swapped_experts(experts, quant.gate_up, quant.down, layer=quant.layer))
+        if quant.fmt == "fp8":
+            stack.enter_context(fp8_expert_inputs(experts, quant.gate_up_input_amax, quant.down_input_amax))
         yield
-    finally:
-        F.linear = orig_linear
-        for handle in handles:
-            handle.remove()
-        for param, value in zip(params, saved, strict=True):
-            param.data = value
 
 
 def kl_sum(
@@ -323,8 +282,6 @@ def sensitivity_scores(
     for layer, quant in quants.items():
         if quant.fmt != fmt:
             raise ValueError(f"layer {layer}: tensors are {quant.fmt}, asked to score {fmt}")
-    from mixquant.calibration.tokens import calibration_batches
-
     batches = calibration_batches(calibration_ids, batch_size)
     device = next(model.parameters()).device
     order = sorted(quants)

@@ -33,18 +33,29 @@ from typing import Any
 from mixquant.model.families import deepseek_v3, laguna, mixtral, qwen3_moe
 
 __all__ = [
+    "DEFAULT_EXPERT_TEMPLATES",
+    "DEFAULT_EXPERT_WEIGHT",
+    "DEFAULT_MODEL_TYPE",
     "FAMILIES",
     "PROJECTIONS",
     "Architecture",
     "UnsupportedArchitecture",
     "architecture",
     "cache_architectures",
+    "default_expert_weight",
+    "experts_module_name",
+    "experts_of",
     "family_of",
+    "mlp_layer_types",
+    "moe_experts",
 ]
 
 FAMILIES = (laguna, qwen3_moe, deepseek_v3, mixtral)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # mixquant's names of an expert's three weights
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# transformers' in-memory module path of a layer's routed experts: the same in every family (ModelOpt's
+# quantized layer; the disk names differ, see expert_templates)
+EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
 
 
 class UnsupportedArchitecture(ValueError):
@@ -82,7 +93,7 @@ class Architecture:
     dtype: str
     tensors: Mapping[str, tuple[tuple[int, ...], str]] = field(repr=False)  # name -> (shape, torch dtype)
     expert_templates: Mapping[str, str] = field(repr=False)  # proj -> "...{layer}...{expert}..."
-    experts_module_template: str = "model.layers.{layer}.mlp.experts"
+    experts_module_template: str = EXPERTS_MODULE
     source_formats: tuple[str, ...] = ("bf16",)
     # whether the export's FP8 KV-cache scales (k_proj.k_scale / v_proj.v_scale) are validated for the family
     kv_cache_scales: bool = False
@@ -167,12 +178,9 @@ def _architecture(config_json: str) -> Architecture:
     dtype = getattr(torch, _dtype_name(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    moe_layers, num_experts = [], None
-    for index, layer in enumerate(model.model.layers):
-        experts = getattr(getattr(layer, "mlp", None), "experts", None)
-        if experts is not None and hasattr(experts, "gate_up_proj"):
-            moe_layers.append(index)
-            num_experts = int(experts.num_experts)
+    found = moe_experts(model)
+    moe_layers = sorted(found)
+    num_experts = int(found[moe_layers[-1]].num_experts) if moe_layers else None
     if not moe_layers:
         raise UnsupportedArchitecture(f"model_type {model_type!r}: this config has no MoE layer")
     conversions = get_model_conversion_mapping(model)
@@ -197,6 +205,27 @@ def _architecture(config_json: str) -> Architecture:
         kv_cache_scales=bool(getattr(family, "KV_CACHE_SCALES", False)),
         vllm_key_rewrite=getattr(family, "VLLM_QUANTIZED_LAYER_KEYS", {}).get(model_type),
     )
+
+
+def moe_experts(model: Any) -> dict[int, Any]:
+    """``{layer: routed-experts module}`` of a transformers model of any family (loaded, streamed or on the
+    meta device): the decoder layers whose experts module holds fused ``gate_up_proj`` weights."""
+    found = {}
+    for index, layer in enumerate(model.model.layers):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            found[index] = experts
+    return found
+
+
+def experts_module_name(layer: int) -> str:
+    """The in-memory module path of MoE layer ``layer``'s routed experts, in every family."""
+    return EXPERTS_MODULE.format(layer=int(layer))
+
+
+def experts_of(model: Any, layer: int) -> Any:
+    """The routed-experts module of MoE layer ``layer`` of a transformers model."""
+    return model.get_submodule(experts_module_name(layer))
 
 
 def _expert_templates(conversions, converter_type, tensors: Mapping[str, Any], layer: int) -> dict[str, str]:
@@ -243,6 +272,43 @@ def architecture(config: Mapping[str, Any] | str | Path) -> Architecture:
             raise UnsupportedArchitecture(f"{path}: config.json is not a JSON object")
     check_sizes(config)
     return _cached_architecture(json.dumps(config, sort_keys=True))
+
+
+# --------------------------------------------------------------------- a checkpoint without a model_type
+
+# What a checkpoint directory whose config.json names no model_type is read with: the qwen2_moe-style
+# expert names (Laguna, Qwen3-MoE, DeepSeek-V3, GLM) and Laguna's MLP layer types; otherwise the family's
+# own names (Architecture.expert_weight). A planning-time geometry without a model_type is that family's.
+DEFAULT_MODEL_TYPE = laguna.MODEL_TYPES[0]
+DEFAULT_EXPERT_TEMPLATES = {
+    p: f"model.layers.{{layer}}.mlp.experts.{{expert}}.{p}.weight" for p in PROJECTIONS
+}
+DEFAULT_EXPERT_WEIGHT = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def default_expert_weight(layer: int, expert: int, proj: str) -> str:
+    """Upstream name of one routed-expert weight in the qwen2_moe-style layout (Laguna's):
+    ``model.layers.L.mlp.experts.E.{proj}.weight``."""
+    return DEFAULT_EXPERT_TEMPLATES[proj].format(layer=int(layer), expert=int(expert))
+
+
+def _cfg(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def mlp_layer_types(config: Any) -> list[str]:
+    """Per-layer "dense"/"sparse", with Laguna's default (first layer dense, rest sparse)."""
+    layers = int(_cfg(config, "num_hidden_layers"))
+    types = _cfg(config, "mlp_layer_types")
+    if types is None:
+        types = ["dense"] + ["sparse"] * (layers - 1)
+    if len(types) != layers:
+        raise ValueError(f"mlp_layer_types has {len(types)} entries for {layers} layers")
+    return list(types)
 
 
 # ------------------------------------------------------------------------------ the on-disk cache

@@ -1,0 +1,150 @@
+"""Cost functions of the rebuild: activation statistics, the quantize windows, the placement search
+(score passes and the solve) and the export."""
+
+from __future__ import annotations
+
+from mixquant.costs.hardware import MIB
+from mixquant.costs.job import CostJob
+from mixquant.costs.sizes import (
+    AUDIT_BYTES_PER_TENSOR,
+    QUANTIZE_TEMP_BYTES,
+    activation_stats_bytes,
+    layer_result_bytes,
+    pinned_layer_bytes,
+    placement_counts,
+    score_macro_batch,
+    streamed_seconds,
+)
+from mixquant.export.predict import checkpoint_tensors, predict_structure
+from mixquant.facts import scored_formats, scored_pairs
+from mixquant.facts.jobs import (
+    batch_activation_bytes,
+    max_layer_bytes,
+    non_layer_bytes,
+    score_transient_bytes,
+    state_bytes,
+)
+
+
+def collect_activation_stats(job: CostJob) -> None:
+    """One layer-streamed pass, every sequence through each layer."""
+    cfg, geometry, hw, calib = job.cfg, job.geometry, job.hw, job.cfg.calibration
+    tokens = calib.num_samples * calib.seq_len
+    job.read = job.model_bytes + tokens * 4
+    flops = geometry.forward_flops(calib.seq_len, calib.num_samples, first_layer=0)
+    compute_s = flops / job.device_flops
+    states = state_bytes(geometry, calib.num_samples, calib.seq_len)
+    transient = batch_activation_bytes(geometry, cfg.quantize.activation_batch_size, calib.seq_len)
+    job.streamed_s = streamed_seconds(job.read, compute_s, geometry, hw, job.on_gpu)
+    job.streamed_read = job.read
+    held = 2 * max_layer_bytes(geometry) + non_layer_bytes(geometry) + states + transient
+    if job.on_gpu:
+        job.gpu_bytes = held
+        job.host += 2 * pinned_layer_bytes(geometry)  # pinned read-ahead buffer and the layer being copied
+    else:
+        job.host += held
+    job.written = activation_stats_bytes(geometry)
+
+
+def quantize_layer(job: CostJob) -> None:
+    """One window of ``layers`` MoE layers, one after the other."""
+    cfg, geometry, hw, layers = job.cfg, job.geometry, job.hw, job.layers
+    fmt = job.fmt or "nvfp4_w4a16"
+    params = {
+        "nvfp4_w4a16": f"nvfp4_w4a16:{cfg.quantize.nvfp4_w4a16.calibration}",
+        "fp8": f"fp8:{cfg.quantize.fp8.weight_calibration}",
+        "bf16": "bf16",
+    }[fmt]
+    result = layer_result_bytes(geometry, fmt)
+    job.read = layers * geometry.routed_bytes_per_layer
+    job.written = layers * (result + 3 * geometry.num_experts * AUDIT_BYTES_PER_TENSOR)
+    elements = layers * geometry.routed_params_per_layer
+    if job.on_gpu:
+        job.compute_s = elements / hw.gpu_quantize_elements_per_s + job.read / hw.host_to_device_bytes_per_s
+        job.gpu_bytes = 4 * geometry.routed_params_per_expert * 4 + QUANTIZE_TEMP_BYTES  # one expert, fp32
+    else:
+        job.compute_s = elements / (hw.cpu_quantize_elements_per_s_per_core[params] * job.cpus)
+    # one layer at a time: the growing result, safetensors' save_file copy of it, per-expert temporaries
+    job.host += 2 * result + QUANTIZE_TEMP_BYTES
+
+
+def score_sensitivity(job: CostJob) -> None:
+    """One macro-batch: a streamed, branch-parallel pass."""
+    cfg, geometry, hw, calib = job.cfg, job.geometry, job.hw, job.cfg.calibration
+    search = cfg.placement.search
+    size = job.sequences or score_macro_batch(cfg, geometry, hw)
+    tokens = size * calib.seq_len
+    pairs = scored_pairs(cfg)
+    read = job.model_bytes + tokens * 4
+    if search.calibration == "rebuild":  # each scored layer x format result, once
+        read += sum(
+            layer_result_bytes(geometry, f) for formats in scored_formats(cfg).values() for f in formats
+        )
+    flops = geometry.forward_flops(calib.seq_len, size)  # the reference
+    for layer, formats in sorted(scored_formats(cfg).items()):
+        routed = 2 * geometry.num_experts_per_tok * geometry.routed_params_per_expert * tokens
+        suffix = geometry.forward_flops(calib.seq_len, size, first_layer=layer + 1)
+        flops += len(formats) * (routed + suffix)
+    flops += (1 + pairs) * 20 * tokens * geometry.vocab_size  # log-softmax, exp and the KL sums
+    states = (1 + pairs) * state_bytes(geometry, size, calib.seq_len)
+    # the states saved every checkpoint_interval_s (one stream at a time through the host)
+    compute_s = flops / job.device_flops
+    streamed_s = streamed_seconds(read, compute_s, geometry, hw, job.on_gpu)
+    job.read, job.streamed_read = read, read
+    # null: a quarter of the requested wall time, which is twice the estimate (rule_resources)
+    interval = search.checkpoint_interval_s
+    interval = streamed_s / 2 if interval is None else interval
+    if interval > 0:
+        saves = int(streamed_s // interval)
+        # a save sits beside the last until progress.json names it, then the last goes: the footprint,
+        # not the sum of the saves (their time is counted below)
+        job.scratch = 2 * states if saves else 0
+        streamed_s += saves * states / hw.storage_write_bytes_per_s
+    job.streamed_s = streamed_s
+    held = (
+        2 * max_layer_bytes(geometry)
+        + non_layer_bytes(geometry)
+        + geometry.routed_bytes_per_layer  # one format's dequantized copy of a scored layer
+        + states
+        + score_transient_bytes(cfg, geometry)
+    )
+    # host: the read-ahead layer, a quantized layer's file and its dequantized copy, one stream's states
+    staging = (
+        2 * pinned_layer_bytes(geometry)  # read pinned (on a GPU, where staging is what the host holds)
+        + geometry.routed_bytes_per_layer
+        + layer_result_bytes(geometry, "fp8")
+        + state_bytes(geometry, size, calib.seq_len)
+    )
+    if job.on_gpu:
+        job.gpu_bytes = held
+        job.host += staging
+    else:
+        job.host += held + layer_result_bytes(geometry, "fp8")
+    job.written = 400 * pairs * (size // search.batch_size + 1) + 2000
+    job.notes.append(f"{size} sequences, {pairs} branches")
+
+
+def solve_placement(job: CostJob) -> None:
+    cfg, geometry, hw = job.cfg, job.geometry, job.hw
+    search = cfg.placement.search
+    job.read = 500 * len(geometry.moe_layers) * len(cfg.placement.formats)
+    job.compute_s = (1 + search.frontier_points) * hw.ilp_solve_s + 2 * hw.plot_s
+    job.written = 2000 * len(geometry.moe_layers) + 200 * search.frontier_points + 400_000  # JSON, CSV, 2 PNG
+    job.host += 512 * MIB
+
+
+def export_checkpoint(job: CostJob) -> None:
+    cfg, geometry = job.cfg, job.geometry
+    counts = placement_counts(cfg, geometry)
+    kv = "FP8" if cfg.export.kv_cache_quant else None
+    structure = predict_structure(geometry.to_hf_config(), placement_counts=counts, kv_cache_quant=kv)
+    written = structure["payload_bytes"]
+    routed = sum(structure["bytes"]["routed"].values())
+    # non-expert tensors from the source, routed ones from the layer results
+    job.read = structure["bytes"]["non_expert"] + routed
+    if kv:
+        job.read += activation_stats_bytes(geometry)  # k/v amax for the KV-cache scales
+    entries = checkpoint_tensors(geometry.to_hf_config(), {}, kv_cache_quant=kv)
+    job.written = written + 200 * len(entries)  # shard headers + index (~200 B of JSON per tensor)
+    job.host += 256 * MIB  # headers and records only: tensor bytes are copied file to file
+    job.notes.append("placement " + ", ".join(f"{f}={n}" for f, n in counts.items()))
