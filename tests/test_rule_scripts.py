@@ -70,7 +70,7 @@ def test_the_script_calls_each_stage_runner_with_arguments_it_takes():
         changed = {
             name: value for name, value in arguments["settings"].items() if art.settings.get(name) != value
         }
-        assert changed == {name: job[name] for name in script.JOB_SETTINGS.get(stage, ())}
+        assert changed == {name: job[name] for name in STAGES[stage].job_settings}
 
 
 @pytest.mark.parametrize(

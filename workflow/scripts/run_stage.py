@@ -17,26 +17,14 @@ from mixquant.interrupt import interrupt_to_log
 from mixquant.keys.stages import stage_spec
 from mixquant.rulelog import rule_logging
 
-# What a stage's runner reads of its job beyond params.stage, added to its settings: the thread count the
-# rule gives the job, and for score_sensitivity the wall time the job was given (by default a score job
-# saves its state every quarter of it).
-JOB_SETTINGS: dict[str, tuple[str, ...]] = {
-    "score_sensitivity": ("threads", "runtime_min"),
-    "reference_logits": ("threads",),
-    "run_kld": ("threads",),
-    "gate_kld": ("threads",),
-    "kld_report": ("threads",),
-    "check_kld_gates": ("threads",),
-}
-
 
 def runner_arguments(
     rule: str, inputs: Mapping[str, str], stage: Mapping[str, Any], threads: int, resources: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The runner's keyword arguments for one job of ``rule``: its named inputs and params.stage, with the
-    job's own settings (:data:`JOB_SETTINGS`) added to the stage's settings."""
+    job's own settings the registry names (``StageSpec.job_settings``) added to the stage's settings."""
     stage = dict(stage)
-    wanted = JOB_SETTINGS.get(rule, ())
+    wanted = stage_spec(rule).job_settings
     if wanted:
         job = {"threads": threads, "runtime_min": resources.get("runtime")}
         stage["settings"] = {**stage["settings"], **{name: job[name] for name in wanted}}

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +183,23 @@ def job_names(artifacts: dict[str, Any]) -> dict[str, str]:
     return {art.key: job_name(art) for art in artifacts.values()}
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+@dataclass
+class PlanReport:
+    """What `mixquant plan` found: the dry run's rules and jobs, the estimates, what would stop the run."""
+
+    plan: dict[str, dict[str, Any]]
+    jobs: list
+    names: dict[str, str]
+    estimates: list
+    critical: dict[str, Any]
+    environments: list[dict[str, Any]]
+    submissions: dict[str, list[tuple[str, int]]]
+    blockers: list[str]
+    warnings: list[str]
+
+
+def plan_report(args: argparse.Namespace) -> PlanReport:
+    """Plan the config of ``args`` with `snakemake -n` and read the plan against the library."""
     extra = args.snakemake_args + (["--config", *args.config] if args.config else [])
     args.config = config_entries(extra)  # also those given after `--`, as the dry run reads them
     cfg = load_config(args)  # the config's own error in one line, before Snakemake is started
@@ -213,48 +229,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blockers += cluster + [line for line in [gpu_problem(cfg)] if line]
     if line := device_problem(cfg, local=profile.get("executor") in (None, "local")):
         blockers.append(line)
-    names = job_names(artifacts)
-    warnings = plan_warnings(cfg, artifacts)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "rules": plan,
-                    "jobs": [{**asdict(job), "name": names.get(job.key, job.rule)} for job in jobs],
-                    "estimates": [asdict(row) for row in estimates],
-                    "assumed_gpu": B200.assumed_gpu() if estimates else None,
-                    "critical_path": critical,
-                    "environments": environments,
-                    "sbatch": {rule: [list(row) for row in rows] for rule, rows in submissions.items()},
-                    "blockers": blockers,
-                    "ready": not blockers,
-                    "warnings": warnings,
-                },
-                indent=2,
-            )
+    return PlanReport(
+        plan,
+        jobs,
+        job_names(artifacts),
+        estimates,
+        critical,
+        environments,
+        submissions,
+        blockers,
+        plan_warnings(cfg, artifacts),
+    )
+
+
+def plan_json(report: PlanReport) -> dict[str, Any]:
+    """`mixquant plan --json`: the whole report, every job's sbatch options included."""
+    return {
+        "rules": report.plan,
+        "jobs": [{**asdict(job), "name": report.names.get(job.key, job.rule)} for job in report.jobs],
+        "estimates": [asdict(row) for row in report.estimates],
+        "assumed_gpu": B200.assumed_gpu() if report.estimates else None,
+        "critical_path": report.critical,
+        "environments": report.environments,
+        "sbatch": {rule: [list(row) for row in rows] for rule, rows in report.submissions.items()},
+        "blockers": report.blockers,
+        "ready": not report.blockers,
+        "warnings": report.warnings,
+    }
+
+
+def print_environments(environments: list[dict[str, Any]]) -> None:
+    print("Conda environments (Snakemake creates them before the first job; checked with pip's resolver):")
+    for row in environments:
+        print(f"  {row['env']:16} {row['status']}: {row['detail']}")
+        print(f"  {'':16} used by {', '.join(row['stages'])}")
+    print()
+
+
+def print_jobs(report: PlanReport) -> None:
+    """One line per planned job (`--jobs`): its name, key, resources and why it runs."""
+    names = report.names
+    width = max(len(names.get(job.key, job.rule)) for job in report.jobs)
+    for job in report.jobs:
+        resources = ", ".join(
+            f"{k}={v}" for k, v in job.resources.items() if k not in ("tmpdir", "mem", "mem_mib")
         )
-        return 0
-    if environments:
-        print(
-            "Conda environments (Snakemake creates them before the first job; checked with pip's resolver):"
-        )
-        for row in environments:
-            print(f"  {row['env']:16} {row['status']}: {row['detail']}")
-            print(f"  {'':16} used by {', '.join(row['stages'])}")
-        print()
-    for line in warnings:
-        print(f"warning: {line}")
-    if not plan:
-        print("nothing to do: every output is up to date")
-        return 0
-    if args.jobs:
-        width = max(len(names.get(job.key, job.rule)) for job in jobs)
-        for job in jobs:
-            resources = ", ".join(
-                f"{k}={v}" for k, v in job.resources.items() if k not in ("tmpdir", "mem", "mem_mib")
-            )
-            print(f"{names.get(job.key, job.rule):{width}} {job.key or '-':.12}  {resources}  | {job.reason}")
-        print()
+        print(f"{names.get(job.key, job.rule):{width}} {job.key or '-':.12}  {resources}  | {job.reason}")
+    print()
+
+
+def print_rules(plan: dict[str, dict[str, Any]]) -> None:
     print(f"{'rule':24} {'jobs':>4}  reasons")
     for rule, row in plan.items():
         reasons = ", ".join(f"{reason} ({count})" for reason, count in row["reasons"].items())
@@ -263,32 +287,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "solve_placement" in plan:
         print("then: quantize_layer for the placed layers not built yet, and export_checkpoint (planned once")
         print("      solve_placement has chosen the placement)")
-    if submissions:
+
+
+def print_submissions(submissions: dict[str, list[tuple[str, int]]]) -> None:
+    print()
+    print(
+        f"sbatch options (snakemake-executor-plugin-slurm {plugin_version()}'s own code; job name, log, "
+        "comment and working directory aside):"
+    )
+    for rule, rows in submissions.items():
+        for options, count in rows[:3]:
+            print(f"  {rule:24} {count:>4} x  {options}")
+        if len(rows) > 3:
+            print(f"  {rule:24} (+{len(rows) - 3} more option lines: `--json` has every job's)")
+
+
+def print_estimates(estimates: list, critical: dict[str, Any]) -> None:
+    print()
+    print(f"Estimates (cost model: README, 'Cluster cost model'; they assume {B200.assumed_gpu()};")
+    print("'after solve' rows assume placement.explicit as a stand-in for the placement the search will")
+    print("choose):")
+    print(estimate_table(estimates))
+    if critical:
+        for line in critical["warnings"]:
+            print(f"warning: {line}")
+        slots = f"{critical['slots']} jobs at once" if critical["slots"] else "unlimited parallel jobs"
         print()
         print(
-            f"sbatch options (snakemake-executor-plugin-slurm {plugin_version()}'s own code; job name, log, "
-            "comment and working directory aside):"
+            f"Critical path ({slots}): {critical['seconds'] / 3600:.2f} h through "
+            + " -> ".join(critical["chain"])
         )
-        for rule, rows in submissions.items():
-            for options, count in rows[:3]:
-                print(f"  {rule:24} {count:>4} x  {options}")
-            if len(rows) > 3:
-                print(f"  {rule:24} (+{len(rows) - 3} more option lines: `--json` has every job's)")
-    if estimates:
-        print()
-        print(f"Estimates (cost model: README, 'Cluster cost model'; they assume {B200.assumed_gpu()};")
-        print("'after solve' rows assume placement.explicit as a stand-in for the placement the search will")
-        print("choose):")
-        print(estimate_table(estimates))
-        if critical:
-            for line in critical["warnings"]:
-                print(f"warning: {line}")
-            slots = f"{critical['slots']} jobs at once" if critical["slots"] else "unlimited parallel jobs"
-            print()
-            print(
-                f"Critical path ({slots}): {critical['seconds'] / 3600:.2f} h through "
-                + " -> ".join(critical["chain"])
-            )
+
+
+def print_readiness(blockers: list[str]) -> None:
     print()
     if blockers:
         print(f"not ready to run: {len(blockers)} thing{'s' if len(blockers) > 1 else ''} will stop the run")
@@ -296,4 +327,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  - {line}")
     else:
         print("ready to run")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    report = plan_report(args)
+    if args.json:
+        print(json.dumps(plan_json(report), indent=2))
+        return 0
+    if report.environments:
+        print_environments(report.environments)
+    for line in report.warnings:
+        print(f"warning: {line}")
+    if not report.plan:
+        print("nothing to do: every output is up to date")
+        return 0
+    if args.jobs:
+        print_jobs(report)
+    print_rules(report.plan)
+    if report.submissions:
+        print_submissions(report.submissions)
+    if report.estimates:
+        print_estimates(report.estimates, report.critical)
+    print_readiness(report.blockers)
     return 0

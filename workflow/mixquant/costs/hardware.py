@@ -93,7 +93,7 @@ class Hardware:
         return f"one {self.gpu_name} GPU ({self.gpu_memory_bytes / GIB:.0f} GiB) per GPU job"
 
     def score_memory_budget(self, device: str) -> float:
-        """Bytes a score pass may fill on ``device`` on this hardware (mixquant.facts.score_memory_budget)."""
+        """Bytes a score pass may fill on ``device`` here (mixquant.facts.jobs.score_memory_budget)."""
         return score_memory_budget(
             device,
             self.gpu_memory_bytes,

@@ -251,6 +251,83 @@ def _disk_bytes(
     return files, disk
 
 
+def _projection_formats(tensors, arch):
+    """The format and weight elements of every quantized projection (routed: per layer, counted into
+    ``tensors.count`` / ``tensors.bytes``; non-expert: per module), with the problems found on the way."""
+    projections = tensors.projections
+    tensors_count, bytes_count = tensors.count, tensors.bytes
+    layer_numel: dict[int, Counter] = defaultdict(Counter)
+    experts: dict[int, set[int]] = defaultdict(set)
+    projection_problems: list[str] = []
+    for (layer, expert, proj), parts in sorted(projections.items()):
+        fmt, numel, problem = classify_projection(parts)
+        if problem:
+            projection_problems.append(f"{expert_prefix(layer, expert, proj, arch)}: {problem}")
+        layer_numel[layer][fmt] += numel
+        experts[layer].add(expert)
+        tensors_count["routed"][fmt] = tensors_count["routed"].get(fmt, 0) + len(parts)
+        bytes_count["routed"][fmt] = bytes_count["routed"].get(fmt, 0) + sum(
+            p["nbytes"] for p in parts.values()
+        )
+    non_expert_quantized: dict[str, str] = {}
+    for module, parts in sorted(tensors.non_expert_modules.items()):
+        if set(parts) == {"weight"}:
+            continue  # a plain (BF16 / F32) weight: not quantized
+        fmt, _, problem = classify_projection(parts)
+        non_expert_quantized[module] = fmt
+        if problem:
+            projection_problems.append(f"{module}: {problem}")
+    return layer_numel, experts, non_expert_quantized, projection_problems
+
+
+def _layer_checks(layer_numel, experts, projections, arch, arch_problems: list[str], problems: list[str]):
+    """Each MoE layer's format (``mixed`` when its projections disagree) and expert count, appending to
+    ``problems`` what disagrees: mixed layers, incomplete experts, then the architecture's own problems and
+    where the layers contradict config.json."""
+    layer_formats = {
+        layer: next(iter(numel)) if len(numel) == 1 else "mixed"
+        for layer, numel in sorted(layer_numel.items())
+    }
+    for layer, fmt in layer_formats.items():
+        if fmt == "mixed":
+            problems.append(
+                f"layer {layer}: routed projections in several formats {dict(layer_numel[layer])}"
+            )
+    incomplete = [
+        f"{layer}.{expert}"
+        for layer in experts
+        for expert in sorted(experts[layer])
+        if any((layer, expert, p) not in projections for p in PROJECTIONS)
+    ]
+    if incomplete:
+        problems.append(f"experts missing a projection (layer.expert): {examples(incomplete)}")
+    expert_counts = {layer: len(ids) for layer, ids in sorted(experts.items())}
+    problems.extend(arch_problems)
+    if arch is not None:
+        wrong = {layer: n for layer, n in expert_counts.items() if n != arch.num_experts}
+        if wrong:
+            problems.append(f"config.json: {arch.num_experts} experts per MoE layer, but layers have {wrong}")
+        if list(arch.moe_layers) != sorted(layer_formats):
+            problems.append(
+                f"config.json MoE layers {list(arch.moe_layers)} != layers with routed experts "
+                f"{sorted(layer_formats)}"
+            )
+    return layer_formats, expert_counts
+
+
+def _quantized_modules(layer_formats, non_expert_quantized, kv_layers) -> dict[str, dict[str, int]]:
+    """Quantized modules per category and format (one routed-experts module per MoE layer)."""
+    quantized_modules: dict[str, dict[str, int]] = defaultdict(Counter)
+    for fmt in layer_formats.values():
+        if fmt != BF16:
+            quantized_modules["routed_experts"][fmt] += 1  # one experts module per MoE layer
+    for module, fmt in non_expert_quantized.items():
+        quantized_modules[module_category(module)][fmt] += 1
+    if kv_layers:
+        quantized_modules["kv_cache"][FP8] = len(kv_layers)
+    return quantized_modules
+
+
 def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     """Audit the ModelOpt-format checkpoint in ``directory`` (``model.safetensors`` or shards + index).
 
@@ -292,60 +369,15 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     projections, kv_layers = tensors.projections, tensors.kv_layers
     tensors_count, bytes_count = tensors.count, tensors.bytes
 
-    layer_numel: dict[int, Counter] = defaultdict(Counter)
-    experts: dict[int, set[int]] = defaultdict(set)
-    projection_problems: list[str] = []
-    for (layer, expert, proj), parts in sorted(projections.items()):
-        fmt, numel, problem = classify_projection(parts)
-        if problem:
-            projection_problems.append(f"{expert_prefix(layer, expert, proj, arch)}: {problem}")
-        layer_numel[layer][fmt] += numel
-        experts[layer].add(expert)
-        tensors_count["routed"][fmt] = tensors_count["routed"].get(fmt, 0) + len(parts)
-        bytes_count["routed"][fmt] = bytes_count["routed"].get(fmt, 0) + sum(
-            p["nbytes"] for p in parts.values()
-        )
-    non_expert_quantized: dict[str, str] = {}
-    for module, parts in sorted(tensors.non_expert_modules.items()):
-        if set(parts) == {"weight"}:
-            continue  # a plain (BF16 / F32) weight: not quantized
-        fmt, _, problem = classify_projection(parts)
-        non_expert_quantized[module] = fmt
-        if problem:
-            projection_problems.append(f"{module}: {problem}")
+    layer_numel, experts, non_expert_quantized, projection_problems = _projection_formats(tensors, arch)
     if projection_problems:
         problems.append(f"quantized projections: {examples(projection_problems)}")
     for table in (tensors_count, bytes_count):
         table["total"] = sum(table["routed"].values()) + table["non_expert"] + table["kv_scales"]
 
-    layer_formats = {
-        layer: next(iter(numel)) if len(numel) == 1 else "mixed"
-        for layer, numel in sorted(layer_numel.items())
-    }
-    for layer, fmt in layer_formats.items():
-        if fmt == "mixed":
-            problems.append(
-                f"layer {layer}: routed projections in several formats {dict(layer_numel[layer])}"
-            )
-    incomplete = [
-        f"{layer}.{expert}"
-        for layer in experts
-        for expert in sorted(experts[layer])
-        if any((layer, expert, p) not in projections for p in PROJECTIONS)
-    ]
-    if incomplete:
-        problems.append(f"experts missing a projection (layer.expert): {examples(incomplete)}")
-    expert_counts = {layer: len(ids) for layer, ids in sorted(experts.items())}
-    problems.extend(arch_problems)
-    if arch is not None:
-        wrong = {layer: n for layer, n in expert_counts.items() if n != arch.num_experts}
-        if wrong:
-            problems.append(f"config.json: {arch.num_experts} experts per MoE layer, but layers have {wrong}")
-        if list(arch.moe_layers) != sorted(layer_formats):
-            problems.append(
-                f"config.json MoE layers {list(arch.moe_layers)} != layers with routed experts "
-                f"{sorted(layer_formats)}"
-            )
+    layer_formats, expert_counts = _layer_checks(
+        layer_numel, experts, projections, arch, arch_problems, problems
+    )
 
     total_numel = sum(sum(c.values()) for c in layer_numel.values())
     effective_bits = _effective_bits(layer_numel)
@@ -363,14 +395,7 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
     quant_check = check_quant_config(
         hf_quant_config, config, layer_formats, kv_layers, num_layers, non_expert_quantized, arch
     )
-    quantized_modules: dict[str, dict[str, int]] = defaultdict(Counter)
-    for fmt in layer_formats.values():
-        if fmt != BF16:
-            quantized_modules["routed_experts"][fmt] += 1  # one experts module per MoE layer
-    for module, fmt in non_expert_quantized.items():
-        quantized_modules[module_category(module)][fmt] += 1
-    if kv_layers:
-        quantized_modules["kv_cache"][FP8] = len(kv_layers)
+    quantized_modules = _quantized_modules(layer_formats, non_expert_quantized, kv_layers)
 
     files, disk = _disk_bytes(root, shard_names, unreferenced, shards, payload)
     routed_bytes = sum(bytes_count["routed"].values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mixquant.config import MixquantConfig, parse_layer_ranges
+from mixquant.formats.facts import QUANTIZED_FORMATS
 from mixquant.keys.stages import stage_device
 
 __all__ = [
@@ -20,7 +21,7 @@ __all__ = [
     "scored_formats",
 ]
 
-SCORED = ("nvfp4_w4a16", "fp8")  # bf16 is the reference: its score is 0 by definition
+SCORED = QUANTIZED_FORMATS  # bf16 is the reference: its score is 0 by definition
 
 
 def moe_layers(cfg: MixquantConfig) -> list[int]:

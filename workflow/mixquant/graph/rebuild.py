@@ -7,6 +7,7 @@ from typing import Any
 
 from mixquant.config import MixquantConfig
 from mixquant.facts import moe_layers, placement_pins, quantize_window, score_jobs, scored_formats
+from mixquant.formats.facts import BF16, FP8, NVFP4
 from mixquant.graph.artifact import GraphBuilder
 from mixquant.graph.inputs import tokenizer_identity
 from mixquant.producer import default_producer
@@ -32,9 +33,9 @@ def add_activations(graph: GraphBuilder) -> None:
 def rebuild_params(cfg: MixquantConfig, fmt: str) -> dict[str, Any]:
     """The ``quantize`` settings of one format (what quantize_layer ships)."""
     return {
-        "nvfp4_w4a16": cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
-        "fp8": cfg.quantize.fp8.model_dump(mode="json"),
-        "bf16": {},
+        NVFP4: cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
+        FP8: cfg.quantize.fp8.model_dump(mode="json"),
+        BF16: {},
     }[fmt]
 
 
@@ -55,7 +56,7 @@ def add_layer(graph: GraphBuilder, layer: int, fmt: str) -> str:
             "layers": quantize_window(cfg, layer),
             "params": rebuild_params(cfg, fmt),
         }
-        upstream = {"model": "model", **({"activations": "activations"} if fmt == "fp8" else {})}
+        upstream = {"model": "model", **({"activations": "activations"} if fmt == FP8 else {})}
         graph.add(name, "quantize_layer", window_slice, window_slice, upstream)
     return name
 
@@ -89,7 +90,7 @@ def add_search(graph: GraphBuilder) -> None:
             for fmt in formats:
                 if search.calibration == "rebuild":  # the very layer x format results the rebuild ships
                     upstream[f"{fmt}_layer_{layer}"] = add_layer(graph, layer, fmt)
-                elif fmt == "fp8":  # ModelOpt's own fake quant of the BF16 weights; FP8 inputs need amax
+                elif fmt == FP8:  # ModelOpt's own fake quant of the BF16 weights; FP8 inputs need amax
                     upstream["activations"] = "activations"
         score_slice = {
             "sequences": [first, stop],

@@ -68,6 +68,9 @@ class StageSpec:
     # "module:function" of the cost model's estimate of one job, called as cost(job) on a
     # mixquant.costs.job.CostJob it fills in (mixquant.costs.stage_cost)
     cost: str = ""
+    # What the runner reads of its job beyond params.stage, added to its settings by the rule script: the
+    # thread count the rule gives the job ("threads"), its wall time in minutes ("runtime_min")
+    job_settings: tuple[str, ...] = ()
 
     @property
     def serves_model(self) -> bool:
@@ -200,6 +203,7 @@ STAGES: dict[str, StageSpec] = {
             "scores",
             (
                 "mixquant.search.score",
+                "mixquant.search.branches",
                 "mixquant.search.run",
                 "mixquant.model.experts",
                 "mixquant.formats.dequant",
@@ -207,6 +211,7 @@ STAGES: dict[str, StageSpec] = {
             ("torch", "transformers", "nvidia-modelopt", "safetensors"),
             device="configured",
             cost="mixquant.costs.rebuild:score_sensitivity",
+            job_settings=("threads", "runtime_min"),  # a score job saves its state every quarter of its time
         ),
         # The placement, its audit, the frontier and the plots are all outputs of the solve.
         StageSpec(
@@ -255,6 +260,7 @@ STAGES: dict[str, StageSpec] = {
             env="engine",
             device="engine",
             cost="mixquant.costs.kld:reference_logits",
+            job_settings=("threads",),
         ),
         StageSpec(
             "run_kld",
@@ -265,6 +271,7 @@ STAGES: dict[str, StageSpec] = {
             env="engine",
             device="engine",
             cost="mixquant.costs.kld:run_kld",
+            job_settings=("threads",),
         ),
         StageSpec(
             "gate_kld",
@@ -273,6 +280,7 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.kld.report", "mixquant.kld.run", "mixquant.checkpoint.writer"),
             ("torch",),
             cost="mixquant.costs.kld:gate_kld",
+            job_settings=("threads",),
         ),
         StageSpec(
             "kld_report",
@@ -281,6 +289,7 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.kld.report", "mixquant.kld.run"),
             ("pandas", "matplotlib"),
             cost="mixquant.costs.kld:kld_report",
+            job_settings=("threads",),
         ),
         StageSpec(
             "check_kld_gates",
@@ -289,6 +298,7 @@ STAGES: dict[str, StageSpec] = {
             ("mixquant.kld.run",),
             (),
             cost="mixquant.costs.kld:check_kld_gates",
+            job_settings=("threads",),
         ),
         # Hashes of bytes the upstream stages wrote: the encodings live in the code, no package decides.
         StageSpec(

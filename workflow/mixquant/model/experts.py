@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
+from mixquant.formats.facts import FP8_E4M3_MAX
+
 __all__ = [
     "ExpertIntercept",
     "Fp8ExpertInputs",
@@ -33,7 +35,7 @@ __all__ = [
 
 def amax_from_input_scale(scale: torch.Tensor) -> torch.Tensor:
     """ModelOpt exports input_scale = fp32(amax) / 448 of a bf16 amax; invert exactly (round to bf16)."""
-    return (scale.float() * 448.0).to(torch.bfloat16).float()
+    return (scale.float() * FP8_E4M3_MAX).to(torch.bfloat16).float()
 
 
 class ExpertIntercept:

@@ -45,6 +45,7 @@ from mixquant.jsonio import read_json
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir
 from mixquant.kld.run import AGGREGATE_JSON, LOGITS_FILE, REFERENCE_JSON, VERDICT_JSON
+from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
 from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 
 log = logging.getLogger(__name__)
@@ -117,33 +118,8 @@ def _json_text(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def run_assemble_release(
-    out_dir: str | Path,
-    *,
-    model: str | Path,
-    checkpoint: str | Path,
-    prompt: str | Path,
-    reference: str | Path,
-    verdict: str | Path,
-    placement: str | Path | None = None,
-    settings: dict[str, Any],
-    preimage: dict[str, Any],
-    **gates: str | Path,
-) -> Path:
-    """Assemble the release directory from the keyed outputs (``gates``: gate_<candidate>_<kv> -> dir)."""
-    from mixquant.release.card import CardInputs, model_card
-    from mixquant.release.hashes import (
-        NUMERICS_JSON,
-        PROMPT_FILE,
-        RELEASE_REFERENCE_DIR,
-        recorded_numerics,
-        reference_document,
-        release_hashes,
-    )
-    from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
-
-    recipe = settings["recipe"]
-    checkpoint_dir = _keyed_dir(checkpoint, "export_checkpoint")
+def passed_inputs(checkpoint_dir: Path, verdict: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The KLD verdict and the checkpoint audit, once both say the release may ship (else one line why)."""
     verdict_doc = read_json(
         _keyed_dir(verdict, "check_kld_gates") / VERDICT_JSON, "KLD verdict", error=ReleaseInputError
     )
@@ -154,13 +130,11 @@ def run_assemble_release(
         raise ReleaseInputError(
             f"export_checkpoint {checkpoint_dir.name}: audit disagrees {audit['agreement']}"
         )
-    placement_audit = None
-    if placement is not None:
-        placement_audit = read_json(
-            _keyed_dir(placement, "solve_placement") / PLACEMENT_AUDIT,
-            "placement audit",
-            error=ReleaseInputError,
-        )
+    return verdict_doc, audit
+
+
+def read_gate_documents(recipe: dict[str, Any], gates: dict[str, str | Path]) -> list[tuple[str, dict]]:
+    """(role, aggregate) of every gate_kld input the recipe's candidates and KV dtypes call for, in order."""
     gate_docs = []
     for candidate in recipe["kld"]["candidates"]:
         for kv in recipe["kld"]["kv_cache_dtypes"]:
@@ -180,6 +154,83 @@ def run_assemble_release(
     unknown = sorted(set(gates) - {role for role, _ in gate_docs})
     if unknown:
         raise ReleaseInputError(f"assemble_release: unexpected input {unknown[0]!r}")
+    return gate_docs
+
+
+def write_repo(
+    tmp: Path,
+    *,
+    checkpoint_dir: Path,
+    recipe_text: str,
+    placement: str | Path | None,
+    gate_docs: list[dict[str, Any]],
+    reference_dir: Path,
+    prompt_dir: Path,
+    reference_doc: dict[str, Any],
+    numerics: dict[str, Any],
+    card: str,
+) -> None:
+    """The release repository's files into ``tmp``: the checkpoint, the recipe, the placement audit, the
+    gates' records, the reference logits with their prompt, the numerics fingerprint and the model card."""
+    from mixquant.release.hashes import (
+        NUMERICS_JSON,
+        PROMPT_FILE,
+        RELEASE_REFERENCE_DIR,
+    )  # lazy: imports torch
+
+    for relative in checkpoint_files(checkpoint_dir):
+        link_or_copy(checkpoint_dir / relative, tmp / relative)
+    (tmp / RECIPE_FILE).write_text(recipe_text, encoding="utf-8")
+    if placement is not None:
+        shutil.copyfile(Path(placement) / PLACEMENT_AUDIT, tmp / PLACEMENT_AUDIT)
+    for doc in gate_docs:
+        target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(_json_text(shipped_document(doc)), encoding="utf-8")
+    link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
+    link_or_copy(prompt_dir / PROMPT_FILE, tmp / RELEASE_REFERENCE_DIR / PROMPT_FILE)
+    (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
+        _json_text(shipped_document(reference_doc)), encoding="utf-8"
+    )
+    (tmp / NUMERICS_JSON).write_text(_json_text(numerics), encoding="utf-8")
+    (tmp / CARD_FILE).write_text(card, encoding="utf-8")
+
+
+def run_assemble_release(
+    out_dir: str | Path,
+    *,
+    model: str | Path,
+    checkpoint: str | Path,
+    prompt: str | Path,
+    reference: str | Path,
+    verdict: str | Path,
+    placement: str | Path | None = None,
+    settings: dict[str, Any],
+    preimage: dict[str, Any],
+    **gates: str | Path,
+) -> Path:
+    """Assemble the release directory from the keyed outputs (``gates``: gate_<candidate>_<kv> -> dir)."""
+    from mixquant.release.card import CardInputs, model_card  # lazy: imports torch
+    from mixquant.release.hashes import (  # lazy: imports torch
+        NUMERICS_JSON,
+        PROMPT_FILE,
+        RELEASE_REFERENCE_DIR,
+        recorded_numerics,
+        reference_document,
+        release_hashes,
+    )
+
+    recipe = settings["recipe"]
+    checkpoint_dir = _keyed_dir(checkpoint, "export_checkpoint")
+    verdict_doc, audit = passed_inputs(checkpoint_dir, verdict)
+    placement_audit = None
+    if placement is not None:
+        placement_audit = read_json(
+            _keyed_dir(placement, "solve_placement") / PLACEMENT_AUDIT,
+            "placement audit",
+            error=ReleaseInputError,
+        )
+    gate_docs = read_gate_documents(recipe, gates)
     reference_dir = _keyed_dir(reference, "reference_logits")
     prompt_dir = _keyed_dir(prompt, "pin_prompt")
     hashes = release_hashes(prompt_dir, reference_dir, checkpoint_dir)
@@ -235,22 +286,18 @@ def run_assemble_release(
     with publish_keyed_dir(out_dir, preimage, summary) as keyed:
         tmp = keyed / REPO_DIR
         tmp.mkdir()
-        for relative in checkpoint_files(checkpoint_dir):
-            link_or_copy(checkpoint_dir / relative, tmp / relative)
-        (tmp / RECIPE_FILE).write_text(recipe_yaml(recipe, header), encoding="utf-8")
-        if placement_audit is not None:
-            shutil.copyfile(Path(placement) / PLACEMENT_AUDIT, tmp / PLACEMENT_AUDIT)
-        for _, doc in gate_docs:
-            target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(_json_text(shipped_document(doc)), encoding="utf-8")
-        link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
-        link_or_copy(prompt_dir / PROMPT_FILE, tmp / RELEASE_REFERENCE_DIR / PROMPT_FILE)
-        (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
-            _json_text(shipped_document(reference_doc)), encoding="utf-8"
+        write_repo(
+            tmp,
+            checkpoint_dir=checkpoint_dir,
+            recipe_text=recipe_yaml(recipe, header),
+            placement=placement if placement_audit is not None else None,
+            gate_docs=[doc for _, doc in gate_docs],
+            reference_dir=reference_dir,
+            prompt_dir=prompt_dir,
+            reference_doc=reference_doc,
+            numerics=numerics,
+            card=card,
         )
-        (tmp / NUMERICS_JSON).write_text(_json_text(numerics), encoding="utf-8")
-        (tmp / CARD_FILE).write_text(card, encoding="utf-8")
         summary.update(
             hashes={name: record.sha256 for name, record in hashes.items()},
             numerics=numerics,

@@ -226,6 +226,58 @@ def _layer_of(name: str) -> int:
     return int(name.split(".")[2])
 
 
+def uniform_baselines(formats: list[str], groups: list) -> dict[str, tuple[float, float]]:
+    """``uniform <format>`` -> (effective bits, predicted objective) of every format all groups can take."""
+    uniform = {}
+    for fmt in formats:
+        if all(fmt in g.scores for g in groups):
+            choice = {g.name: fmt for g in groups}
+            uniform[f"uniform {fmt}"] = (effective_bits(groups, choice), sum(g.scores[fmt] for g in groups))
+    return uniform
+
+
+def placement_audit(
+    settings: dict[str, Any],
+    solution: Any,
+    groups: list,
+    results: list[dict[str, Any]],
+    uniform: dict[str, tuple[float, float]],
+    counts: dict[str, int],
+) -> dict[str, Any]:
+    """placement_audit.json: the solver's status, the budget, every group's scores and choice, the uniform
+    baselines and the score jobs the scores came from."""
+    method, target = settings["method"], float(settings["target_effective_bits"])
+    audit = {
+        "method": method,
+        "solver": solution.to_json(),
+        "budget": {
+            "target_effective_bits": target,
+            "effective_bits": solution.effective_bits,
+            "min_effective_bits": min_effective_bits(groups),
+            "cost_model": settings["cost_model"],
+            "format_bits": dict(ROUTED_FORMAT_BITS),
+        },
+        "objective": solution.objective,
+        "normalisation": NORMALISATION,
+        "counts": counts,
+        "groups": [
+            {
+                "name": g.name,
+                "layer": _layer_of(g.name),
+                "numel": g.numel,
+                "cost_weight": g.cost_weight,
+                "scores": dict(g.scores),
+                "pinned": len(g.scores) == 1,
+                "chosen": solution.choice[g.name],
+            }
+            for g in groups
+        ],
+        "uniform": {name: {"effective_bits": b, "objective": o} for name, (b, o) in uniform.items()},
+        "score_jobs": [{"sequences": r["sequences"], "formats": sorted(r["kl_sums"])} for r in results],
+    }
+    return audit
+
+
 def run_solve_placement(
     out_dir: str | Path,
     *,
@@ -258,40 +310,9 @@ def run_solve_placement(
     placement = {_layer_of(name): fmt for name, fmt in solution.choice.items()}
     lo, hi, n = min_effective_bits(groups), max_effective_bits(groups), settings["frontier_points"]
     rows = frontier(groups, budgets=[lo + (hi - lo) * i / (n - 1) for i in range(n)], method=method)
-    uniform = {}
-    for fmt in settings["formats"]:
-        if all(fmt in g.scores for g in groups):
-            choice = {g.name: fmt for g in groups}
-            uniform[f"uniform {fmt}"] = (effective_bits(groups, choice), sum(g.scores[fmt] for g in groups))
+    uniform = uniform_baselines(settings["formats"], groups)
     counts = {fmt: sum(1 for f in placement.values() if f == fmt) for fmt in FORMATS}
-    audit = {
-        "method": method,
-        "solver": solution.to_json(),
-        "budget": {
-            "target_effective_bits": target,
-            "effective_bits": solution.effective_bits,
-            "min_effective_bits": min_effective_bits(groups),
-            "cost_model": settings["cost_model"],
-            "format_bits": dict(ROUTED_FORMAT_BITS),
-        },
-        "objective": solution.objective,
-        "normalisation": NORMALISATION,
-        "counts": counts,
-        "groups": [
-            {
-                "name": g.name,
-                "layer": _layer_of(g.name),
-                "numel": g.numel,
-                "cost_weight": g.cost_weight,
-                "scores": dict(g.scores),
-                "pinned": len(g.scores) == 1,
-                "chosen": solution.choice[g.name],
-            }
-            for g in groups
-        ],
-        "uniform": {name: {"effective_bits": b, "objective": o} for name, (b, o) in uniform.items()},
-        "score_jobs": [{"sequences": r["sequences"], "formats": sorted(r["kl_sums"])} for r in results],
-    }
+    audit = placement_audit(settings, solution, groups, results, uniform, counts)
     document = {
         "layers": {str(layer): fmt for layer, fmt in sorted(placement.items())},
         "metadata": {

@@ -24,7 +24,7 @@ from mixquant.facts import (
 )
 from mixquant.facts.jobs import GIB, score_memory_budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAGUNA_CONFIG = ROOT / "data/models/laguna-s-2.1/config.json"
 # the reference release: Laguna-S-2.1 parameters
 LAGUNA_TOTAL = 117_561_977_600
