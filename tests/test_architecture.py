@@ -207,3 +207,37 @@ def test_architectures_are_named_only_by_the_families(module):
         if not re.search(r"\s", text) and (FAMILY_WORDS.search(text) or MODULE_PATHS.search(text))
     ]
     assert named == []
+
+
+def _reason_given(lines: list[str], node: ast.stmt) -> bool:
+    """Whether an in-function import says why it is there: ``# lazy: ...`` on its lines, or in the comment
+    above the block of imports it belongs to."""
+    if any("# lazy:" in line for line in lines[node.lineno - 1 : node.end_lineno]):
+        return True
+    row = node.lineno - 2
+    while row >= 0:
+        text = lines[row].strip()
+        if "# lazy:" in text:
+            return True
+        if not (text.startswith(("from ", "import ", "#", ")")) or text == "" or text.endswith(",")):
+            return False
+        row -= 1
+    return False
+
+
+def test_imports_inside_functions_say_why():
+    """An import of a library module inside a function hides an edge; it is there only to keep a module that
+    planning or the CLI loads free of torch (or pulp, matplotlib, ModelOpt), and says so."""
+    silent = []
+    for module, path in MODULES.items():
+        lines = path.read_text("utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        top = {id(node) for node in tree.body}
+        for node in tree.body:
+            if isinstance(node, (ast.If, ast.Try)):  # TYPE_CHECKING and optional imports at the top
+                top.update(id(child) for child in ast.walk(node))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                if _resolve(module, path, node) and not _reason_given(lines, node):
+                    silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert silent == []

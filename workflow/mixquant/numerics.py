@@ -24,6 +24,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from mixquant.jsonio import diff_values
+
 PROFILES = ("portable", "native")
 DEFAULT_THREADS = 1
 
@@ -331,8 +333,6 @@ def fingerprint(device: str = "cpu") -> dict[str, Any]:
 
 def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """Decisive fingerprint fields that differ, as 'field: theirs -> ours' (empty when equal)."""
-    from mixquant.jsonio import diff_values
-
     return [
         f"{where}: {left!r} -> {right!r}"
         for where, left, right in diff_values(theirs.get("decisive", {}), ours.get("decisive", {}))

@@ -6,6 +6,8 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import mixquant
+
 
 def default_producer() -> dict[str, Any]:
     """``{"name": "mixquant", "version": ..., "numerics": {"name": "modelopt", "version": ...}}``.
@@ -13,8 +15,6 @@ def default_producer() -> dict[str, Any]:
     The installed ModelOpt version is the one whose numerics :mod:`mixquant.quantize.layer` reproduces
     (pinned to 0.47.* by the project).
     """
-    import mixquant
-
     try:
         modelopt_version = version("nvidia-modelopt")
     except PackageNotFoundError:  # pragma: no cover - modelopt is a hard dependency

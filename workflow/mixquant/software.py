@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from mixquant.jsonio import write_json_atomic
 from mixquant.keys.environments import EnvFile, canonical_name, env_path, read_env_file
 from mixquant.keys.stages import STAGES, stage_env
 
@@ -215,8 +216,6 @@ def cached_resolution(env: EnvFile, cache_dir: Path = CACHE_DIR, **kwargs) -> En
             pass
     resolution = resolve_env(env, **kwargs)
     if resolution.status != "not checked":
-        from mixquant.jsonio import write_json_atomic
-
         cache_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, resolution.to_json())
     return resolution

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,10 @@ from typing import Any
 from mixquant import faults
 from mixquant.checkpoint.atomic import temporary_dir_beside
 from mixquant.keys.canonical import canonical_sha256
+from mixquant.keys.environments import installed_versions
 from mixquant.keys.hashing import file_sha256, require_sha256_hex
+from mixquant.keys.stages import RECORDED_PACKAGES
+from mixquant.numerics import fingerprint, requested
 
 MANIFEST = "manifest.json"
 # Snakemake touches this file inside directory outputs to carry their mtime; it is not content.
@@ -68,12 +72,6 @@ def environment_record() -> dict[str, Any]:
     Host facts (CPU model, kernel, time) are not recorded here: they would make two machines' bytes
     differ; the numerics fingerprint's decisive part says what decides the bits.
     """
-    import sys
-
-    from mixquant.keys.environments import installed_versions
-    from mixquant.keys.stages import RECORDED_PACKAGES
-    from mixquant.numerics import requested
-
     record: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -81,8 +79,6 @@ def environment_record() -> dict[str, Any]:
     }
     profile, threads = requested()
     if "torch" in sys.modules:  # this process computed: its effective numerics
-        from mixquant.numerics import fingerprint
-
         record["numerics"] = fingerprint()["decisive"]
     else:
         record["numerics"] = {"profile": profile, "threads": threads, "torch_imported": False}

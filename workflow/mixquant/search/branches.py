@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from mixquant import faults
+from mixquant.calibration.tokens import calibration_batches
 from mixquant.checkpoint.atomic import atomic_path, write_text_atomic
 from mixquant.checkpoint.writer import tensor_record, write_safetensors
 from mixquant.facts import STACK_LIMIT
@@ -176,8 +177,6 @@ def branch_parallel_scores(
     floats, one per micro-batch: summing them in order over every pass gives the whole-calibration score.
     """
     from tqdm import tqdm
-
-    from mixquant.calibration.tokens import calibration_batches
 
     micro_ids = calibration_batches(calibration_ids, batch_size)
     scored = {int(layer): list(formats) for layer, formats in scored.items() if formats}

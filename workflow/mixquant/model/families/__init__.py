@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mixquant.jsonio import read_json, write_json_atomic
 from mixquant.model.families import deepseek_v3, laguna, mixtral, qwen3_moe
 
 __all__ = [
@@ -262,8 +263,6 @@ def _expert_templates(conversions, converter_type, tensors: Mapping[str, Any], l
 def architecture(config: Mapping[str, Any] | str | Path) -> Architecture:
     """The :class:`Architecture` of a config.json (a dict, a path to the file or to its directory)."""
     if not isinstance(config, Mapping):
-        from mixquant.jsonio import read_json
-
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
@@ -364,8 +363,6 @@ def _from_json(data: dict[str, Any]) -> Architecture:
 def _cached_architecture(config_json: str) -> Architecture:
     if _cache_dir is None:
         return _architecture(config_json)
-    from mixquant.jsonio import read_json, write_json_atomic
-
     key = hashlib.sha256(f"{_derivation_identity()}\n{config_json}".encode()).hexdigest()
     path = _cache_dir / f"{key}.json"
     try:
