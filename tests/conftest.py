@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from mixquant.numerics import apply_environment
 
@@ -83,3 +86,24 @@ def env_resolutions(tmp_path_factory):
             for name in env_names()
         }
     return cache, resolutions
+
+
+# The reference release's settings and geometry (config/laguna-s-2.1.yaml, its committed config.json): the
+# planning facts and the cost model are tested on them. Torch-free imports, after the numerics profile.
+LAGUNA_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def laguna_cfg():
+    from mixquant.config import load_config_file
+
+    return load_config_file(LAGUNA_ROOT / "config/laguna-s-2.1.yaml")
+
+
+@pytest.fixture(scope="module")
+def laguna(laguna_cfg):
+    """The Laguna-S-2.1 geometry (mixquant.facts.Geometry)."""
+    from mixquant.facts import geometry_from_hf_config
+
+    config = json.loads((LAGUNA_ROOT / "data/models/laguna-s-2.1/config.json").read_text("utf-8"))
+    return geometry_from_hf_config(config, laguna_cfg.model.moe_layers)

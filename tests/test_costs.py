@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mixquant.config import load_config_file
 from mixquant.costs import B200, placement_counts, rule_resources, stage_cost
-from mixquant.facts import Geometry, geometry_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -20,17 +17,6 @@ LAGUNA_CONFIG = ROOT / "data/models/laguna-s-2.1/config.json"
 LAGUNA_PAYLOAD = 92_433_871_744
 NVFP4_PROJECTION_BYTES = 1_769_476
 FP8_PROJECTION_BYTES = 3_145_736
-
-
-@pytest.fixture(scope="module")
-def laguna_cfg():
-    return load_config_file(ROOT / "config/laguna-s-2.1.yaml")
-
-
-@pytest.fixture(scope="module")
-def laguna(laguna_cfg) -> Geometry:
-    config = json.loads(LAGUNA_CONFIG.read_text("utf-8"))
-    return geometry_from_hf_config(config, laguna_cfg.model.moe_layers)
 
 
 def test_a_search_without_expected_counts_plans_the_heaviest_placement_the_budget_allows(laguna_cfg, laguna):

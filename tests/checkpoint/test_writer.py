@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+from byte_checks import assert_byte_identical
 from mixquant.checkpoint.writer import (
     TensorRecord,
     safetensors_header,
@@ -15,18 +16,6 @@ from mixquant.checkpoint.writer import (
 )
 from safetensors import safe_open
 from safetensors.torch import save, save_file
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_byte_identical(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(ref)
-    for name, tensor in ref.items():
-        assert ours[name].dtype == tensor.dtype, name
-        assert ours[name].shape == tensor.shape, name
-        assert torch.equal(as_bytes(ours[name]), as_bytes(tensor)), name
 
 
 def test_writer_bytes_equal_save_file(tmp_path):

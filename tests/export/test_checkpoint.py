@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from byte_checks import as_bytes, assert_byte_identical
 
 warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
@@ -113,18 +114,6 @@ def read_tensors(directory) -> dict[str, torch.Tensor]:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensors[name] = handle.get_tensor(name)
     return tensors
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_byte_identical(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(ref)
-    for name, tensor in ref.items():
-        assert ours[name].dtype == tensor.dtype, name
-        assert ours[name].shape == tensor.shape, name
-        assert torch.equal(as_bytes(ours[name]), as_bytes(tensor)), name
 
 
 def raises_one_line(func, *args, match: list[str], **kwargs) -> str:

@@ -3,7 +3,6 @@ enters keys only as a resolved number of sequences."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,8 @@ from pathlib import Path
 import pytest
 from mixquant.config import load_config_file
 from mixquant.facts import (
-    Geometry,
     explicit_placement,
     fitted_macro_batch,
-    geometry_from_hf_config,
     model_geometry,
     moe_layers,
     placement_from_config,
@@ -29,17 +26,6 @@ LAGUNA_CONFIG = ROOT / "data/models/laguna-s-2.1/config.json"
 # the reference release: Laguna-S-2.1 parameters
 LAGUNA_TOTAL = 117_561_977_600
 LAGUNA_ROUTED = 113_548_197_888
-
-
-@pytest.fixture(scope="module")
-def laguna_cfg():
-    return load_config_file(ROOT / "config/laguna-s-2.1.yaml")
-
-
-@pytest.fixture(scope="module")
-def laguna(laguna_cfg) -> Geometry:
-    config = json.loads(LAGUNA_CONFIG.read_text("utf-8"))
-    return geometry_from_hf_config(config, laguna_cfg.model.moe_layers)
 
 
 def test_facts_import_no_torch_and_nothing_above_them():

@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from byte_checks import assert_byte_identical
 
 warnings.filterwarnings("ignore", message="transformers .* is not tested")
 
@@ -153,18 +154,6 @@ def exported_activation_amax(tensors: dict[str, torch.Tensor], layer: int) -> di
                 assert torch.equal(tensors[f"model.layers.{layer}.mlp.experts.{e}.{p}.input_scale"], scale)
         amax[key] = value
     return amax
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_byte_identical(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(ref)
-    for name, tensor in ref.items():
-        assert ours[name].dtype == tensor.dtype, name
-        assert ours[name].shape == tensor.shape, name
-        assert torch.equal(as_bytes(ours[name]), as_bytes(tensor)), name
 
 
 def layer_params(fmt: str, which: str) -> dict:
