@@ -63,8 +63,9 @@ def hub_repo_ids(recipe: Mapping[str, Any]) -> set[str]:
 
 def kld_table_bits(body: str) -> dict[tuple[str, str], str]:
     """(candidate, KV-cache dtype) -> the bits cell of the card's KLD table."""
-    lines = [line for line in body.splitlines() if line.startswith("| candidate | KV cache |")]
-    assert len(lines) == 1, "the card has one KLD table"
+    # the comparison table: the decomposition and per-domain tables of a suite start alike, without bits
+    lines = [line for line in body.splitlines() if line.startswith("| candidate | KV cache | bits |")]
+    assert len(lines) == 1, "the card has one KLD table with the candidates' bits"
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     assert "bits" in header, f"the KLD table has no bits column: {header}"
     rows = body.split(lines[0], 1)[1].splitlines()[2:]

@@ -19,6 +19,13 @@ NVFP4_PROJECTION_BYTES = 1_769_476
 FP8_PROJECTION_BYTES = 3_145_736
 
 
+def suite_config(cfg, suite=None, **update):
+    """``cfg`` with ``kld.eval`` replaced by ``suite`` (None: the pinned prompt alone) and ``update``d."""
+    if suite is not None and update:
+        suite = suite.model_copy(update=update)
+    return cfg.model_copy(update={"kld": cfg.kld.model_copy(update={"eval": suite})})
+
+
 def test_a_search_without_expected_counts_plans_the_heaviest_placement_the_budget_allows(laguna_cfg, laguna):
     unexpected = laguna_cfg.model_copy(
         update={"expected": laguna_cfg.expected.model_copy(update={"placement_counts": None})}
@@ -147,6 +154,8 @@ def test_more_gpus_shorten_the_vllm_forward(laguna_cfg, laguna):
 
 
 def test_run_kld_is_cheaper_than_the_reference(laguna_cfg, laguna):
+    """The pinned prompt alone (no evaluation suite): a run reads the candidate instead of the BF16 model."""
+    laguna_cfg = suite_config(laguna_cfg, None)
     reference = stage_cost(laguna_cfg, laguna, "reference_logits", gpus=4)
     run = stage_cost(laguna_cfg, laguna, "run_kld", gpus=4)
     logits = 2047 * 100352 * 4
@@ -220,3 +229,103 @@ def test_the_cost_model_stands_without_the_artifact_graph():
     code = "import sys, mixquant.costs; print([m for m in sys.modules if m.startswith('mixquant.graph')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------- the evaluation suite
+# config/laguna-s-2.1.yaml: 3 domains x 41 windows of 2,048 tokens, the reference in the top-k form (1,024)
+LAGUNA_SUITE_POSITIONS = 3 * 41 * 2047  # 251,781
+
+
+def test_the_topk_reference_is_sized_as_the_kld_package_stores_it(laguna_cfg, laguna):
+    """The cost model's torch-free storage arithmetic is mixquant.kld.topk's; at Laguna scale the suite's
+    reference is 2.07 GB in the top-k form (1/49 of the 101 GB of full float32 logits)."""
+    from mixquant.costs.kld import full_reference_bytes, topk_reference_bytes
+    from mixquant.kld import topk
+
+    for positions, k in ((1, 1), (2047, 16), (LAGUNA_SUITE_POSITIONS, 1024), (10_000, 100_352)):
+        assert topk_reference_bytes(positions, k) == topk.reference_bytes(positions, k)
+        assert full_reference_bytes(positions, 100_352) == topk.full_reference_bytes(positions, 100_352)
+    suite = laguna_cfg.kld.eval
+    assert (suite.reference, suite.top_k, suite.reference_captures) == ("topk", 1024, 2)
+    assert sum(d.windows for d in suite.domains) * suite.window_tokens == 251_904 >= 250_000
+    stored = topk.reference_bytes(LAGUNA_SUITE_POSITIONS, 1024)
+    assert stored == 2_070_646_944
+    cost = stage_cost(laguna_cfg, laguna, "reference_logits", gpus=4, suite=True)
+    # and the second capture's statistics against the first (57 B a position), scratch removed once read
+    assert cost.bytes_written == stored + LAGUNA_SUITE_POSITIONS * 57 + 10_000
+    assert cost.warnings == ()
+    full = stage_cost(
+        suite_config(laguna_cfg, suite, reference="full"), laguna, "reference_logits", gpus=4, suite=True
+    )
+    full_bytes = topk.full_reference_bytes(LAGUNA_SUITE_POSITIONS, laguna.vocab_size)
+    assert full.bytes_written == full_bytes + LAGUNA_SUITE_POSITIONS * 41 + 10_000
+    (warning,) = full.warnings
+    assert warning.startswith("kld.eval.reference: full stores the suite's reference as 101 GB")
+    assert warning.endswith("reference: topk (top_k 1024) stores 2.1 GB")
+
+
+def test_a_full_suite_reference_warns_in_the_plan_only_at_scale(laguna_cfg, laguna):
+    """The toy's exact full reference (24 windows x 255 positions x 2,048 x 4 B = 50 MB) is no warning,
+    although it is larger than the toy model."""
+    from mixquant.config import load_config_file
+    from mixquant.facts import planning_geometry
+
+    toy = load_config_file(ROOT / "config/config.yaml")
+    assert toy.kld.eval is not None and toy.kld.eval.reference == "full"
+    assert stage_cost(toy, planning_geometry(toy), "reference_logits", suite=True).warnings == ()
+
+
+def test_the_suite_adds_its_jobs_and_run_kld_scales_with_its_windows(laguna_cfg, laguna):
+    """Per run, one engine scores the prompt and every window: doubling the windows doubles run_kld's
+    suite part (the per-run engine start stays one), and so the suite reference's; without kld.eval the
+    jobs cost what the prompt costs."""
+    from mixquant.costs import Hardware
+
+    suite = laguna_cfg.kld.eval
+    doubled = suite.model_copy(
+        update={"domains": [d.model_copy(update={"windows": 82}) for d in suite.domains]}
+    )
+    prompt_only = suite_config(laguna_cfg, None)
+    with pytest.raises(ValueError, match="needs kld.eval"):
+        stage_cost(prompt_only, laguna, "reference_logits", gpus=4, suite=True)
+    with pytest.raises(ValueError, match="needs kld.eval"):
+        stage_cost(prompt_only, laguna, "sample_eval")
+
+    def cost(cfg, stage, **kwargs):
+        return stage_cost(
+            cfg, laguna, stage, gpus=4 if stage in ("reference_logits", "run_kld") else 0, **kwargs
+        )
+
+    base, once, twice = (
+        cost(c, "run_kld") for c in (prompt_only, laguna_cfg, suite_config(laguna_cfg, doubled))
+    )
+    assert base.runtime_s < once.runtime_s < twice.runtime_s
+    assert (twice.runtime_s - base.runtime_s) / (once.runtime_s - base.runtime_s) == pytest.approx(
+        2, rel=0.02
+    )
+    assert (twice.bytes_read - base.bytes_read) / (once.bytes_read - base.bytes_read) == pytest.approx(
+        2, rel=0.01
+    )
+    runs = laguna_cfg.kld.runs
+    # the suite's per-position statistics, 57 B a position scored against the top-k form, per run
+    assert once.bytes_written - base.bytes_written == runs * (LAGUNA_SUITE_POSITIONS * 57 + 10_000)
+    # one engine start per run, whether it scores one window or 124
+    slow_start = Hardware(vllm_startup_s=B200.vllm_startup_s + 1000)
+    for cfg in (prompt_only, laguna_cfg, suite_config(laguna_cfg, doubled)):
+        later = stage_cost(cfg, laguna, "run_kld", gpus=4, hardware=slow_start).runtime_s
+        assert later - cost(cfg, "run_kld").runtime_s == pytest.approx(runs * 1000)
+    reference, reference_twice = (
+        cost(c, "reference_logits", suite=True) for c in (laguna_cfg, suite_config(laguna_cfg, doubled))
+    )
+    assert reference_twice.bytes_written - 10_000 == 2 * (reference.bytes_written - 10_000)
+    assert reference.gpus == 4 and reference.gpu_hours > 0
+    sample, sample_twice = (cost(c, "sample_eval") for c in (laguna_cfg, suite_config(laguna_cfg, doubled)))
+    assert sample.gpus == 0 and sample.bytes_written > 251_904 * 4
+    assert sample_twice.bytes_written - sample.bytes_written > 251_904 * 4
+    assert sample.peak_host_bytes <= 64e9
+    # the gate reads the runs' suite statistics (its own and the baseline's) and bootstraps over windows
+    for stage in ("gate_kld", "kld_report"):
+        without, with_suite = cost(prompt_only, stage), cost(laguna_cfg, stage)
+        assert with_suite.bytes_read > without.bytes_read and with_suite.runtime_s > without.runtime_s
+    gate = cost(laguna_cfg, "gate_kld").bytes_read - cost(prompt_only, "gate_kld").bytes_read
+    assert gate >= 2 * runs * LAGUNA_SUITE_POSITIONS * 57

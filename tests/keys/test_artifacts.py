@@ -11,10 +11,19 @@ from mixquant.graph import resolve_artifacts
 REPO = Path(__file__).resolve().parents[2]
 
 
+def without_autoquantize(config: dict) -> dict:
+    """The config without its ModelOpt AutoQuantize candidate, whose own placement stage (and the graph it
+    completes) is tested on its own below: here the KLD graph is complete once the search's placement is."""
+    config["kld"]["candidates"] = [
+        c for c in config["kld"]["candidates"] if c["source"] != "modelopt_autoquantize"
+    ]
+    return config
+
+
 @pytest.fixture(scope="module")
 def raw():
     """The default config with its explicit placement (the rebuild graph is then known up front)."""
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = without_autoquantize(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
     config["placement"]["source"] = "explicit"
     return config
 
@@ -22,9 +31,15 @@ def raw():
 @pytest.fixture(scope="module")
 def raw_search():
     """The default config as shipped: the KL-sensitivity search decides the placement."""
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = without_autoquantize(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
     assert config["placement"]["source"] == "search"
     return config
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The default config exactly as shipped, the ModelOpt AutoQuantize candidate included."""
+    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 
 
 # (and verify_hashes, downstream of the prompt, the reference and the checkpoint: tests/release/)
@@ -342,7 +357,22 @@ def test_kld_graph_before_and_after_the_placement(raw_search):
     assert after["kld/bf16/bfloat16"].upstream["candidate"] == "model"
     assert after["kld/uniform-nvfp4/fp8"].upstream["candidate"] == "candidate/uniform-nvfp4"
     gate = after["gate/searched/fp8"]
-    assert gate.upstream == {"runs": "kld/searched/fp8", "baseline_runs": "kld/uniform-nvfp4/fp8"}
+    assert gate.upstream == {
+        "runs": "kld/searched/fp8",
+        "baseline_runs": "kld/uniform-nvfp4/fp8",
+        "suite": "eval",  # the suite gates: its windows and domains
+        "suite_reference": "suite_reference",  # the noise floor
+        "floor_runs": "kld/bf16/bfloat16",  # the engine floor
+    }
+    assert after["kld/searched/fp8"].upstream == {
+        "reference": "reference_logits",
+        "prompt": "prompt",
+        "candidate": "checkpoint",
+        "suite_reference": "suite_reference",
+        "suite": "eval",
+    }
+    assert after["suite_reference"].upstream == {"model": "model", "prompt": "eval"}
+    assert after["suite_reference"].settings["captures"] == 2
     assert "baseline_runs" not in after["gate/uniform-nvfp4/fp8"].upstream  # the baseline itself
     assert after["gate/bf16/bfloat16"].settings["require_exact_zero"] is True
     assert after["gate/bf16/fp8"].settings["require_exact_zero"] is False
@@ -353,7 +383,8 @@ def test_kld_graph_before_and_after_the_placement(raw_search):
 
 def test_run_keys_follow_content_not_names(raw_search):
     renamed = copy.deepcopy(raw_search)
-    renamed["kld"]["candidates"][1]["name"] = "nvfp4-everywhere"
+    (uniform,) = [c for c in renamed["kld"]["candidates"] if c["name"] == "uniform-nvfp4"]
+    uniform["name"] = "nvfp4-everywhere"
     renamed["kld"]["baseline"] = "nvfp4-everywhere"
     a = resolve_artifacts(validate_config(raw_search))
     b = resolve_artifacts(validate_config(renamed))
@@ -400,3 +431,42 @@ def test_bad_kld_candidates_are_refused(raw_search):
     bad["kld"]["candidates"].append({"name": "bf16", "source": "bf16"})
     with pytest.raises(ConfigError, match="used twice"):
         validate_config(bad)
+
+
+# ----------------------------------------------------------------------------- ModelOpt's AutoQuantize
+
+
+def test_autoquantize_candidate_waits_for_its_placement_then_shares_every_layer(shipped):
+    """The modelopt_autoquantize candidate: ModelOpt's placement stage reads the model and the calibration
+    tokens; its checkpoint is the rebuild of what it chose, from the very layer results the search ships."""
+    cfg = validate_config(shipped)
+    before = resolve_artifacts(cfg, placement=TOY_PLACEMENT)
+    assert before["autoquantize"].upstream == {"model": "model", "calibration": "calibration"}
+    assert before["autoquantize"].stage == "autoquantize_placement"
+    assert "kld/modelopt-autoquantize/fp8" not in before and "kld_report" not in before
+    chosen = {layer: "nvfp4_w4a16" for layer in range(1, 9)} | {1: "fp8", 2: "fp8", 5: "fp8"}
+    after = resolve_artifacts(cfg, placement=TOY_PLACEMENT, autoquantized=chosen)
+    export = after["candidate/modelopt-autoquantize"]
+    assert (
+        export.upstream["layer_1"] == "layers/fp8/1-8"
+        and export.upstream["layer_3"] == "layers/nvfp4_w4a16/1-8"
+    )
+    assert after["kld/modelopt-autoquantize/fp8"].upstream["candidate"] == "candidate/modelopt-autoquantize"
+    assert "kld_report" in after and after["kld_report"].settings["sources"]["modelopt-autoquantize"] == (
+        "modelopt_autoquantize"
+    )
+    # the same placement as the search: the same checkpoint, so the same runs
+    same = resolve_artifacts(cfg, placement=chosen, autoquantized=chosen)
+    assert same["candidate/modelopt-autoquantize"].key == same["checkpoint"].key
+    assert same["kld/modelopt-autoquantize/fp8"].key == same["kld/searched/fp8"].key
+
+
+def test_autoquantize_key_holds_the_budget_and_cost_model_not_the_solver(shipped):
+    base = resolve_artifacts(validate_config(shipped))["autoquantize"].key
+
+    def key(**change):
+        return resolve_artifacts(validate_config(edited_placement(shipped, **change)))["autoquantize"].key
+
+    assert key(method="minimax") == base  # ModelOpt selects its own way
+    for change in ({"target_effective_bits": 7.0}, {"cost_model": "active_moe"}, {"batch_size": 4}):
+        assert key(**change) != base, change

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from mixquant.kld import report
+from mixquant.kld.plots import plot_kl_cdf, plot_per_position
 from mixquant.kld.report import (
     TABLE_COLUMNS,
     aggregate_runs,
@@ -18,8 +19,6 @@ from mixquant.kld.report import (
     comparison_table,
     evaluate_gates,
     paired_improvement,
-    plot_kl_cdf,
-    plot_per_position,
     table_markdown,
     write_table,
 )
@@ -230,6 +229,23 @@ def test_comparison_table_and_files(tmp_path):
         table_markdown(df.drop(columns=["verdict"]))
 
 
+def test_the_table_names_the_protocol_and_the_gate_word():
+    """A suite row carries its protocol; a verdict with a word (pass / fail / repeat-required) shows it, one
+    without shows pass or fail from ``passed``; rows without a protocol are the prompt's."""
+    rows = _rows()
+    repeat = {"word": "repeat-required", "passed": False, "checks": []}
+    suite_row = dict(rows[2], protocol="suite", gates=repeat)
+    failed = dict(rows[2], gates={"passed": False, "checks": []})
+    df = comparison_table([*rows, suite_row, failed])
+    assert list(df.columns[:3]) == ["candidate", "kv_cache_dtype", "protocol"]
+    assert list(df["protocol"]) == ["prompt", "prompt", "prompt", "suite", "prompt"]
+    assert list(df["verdict"]) == ["pass", "n/a", "pass", "repeat-required", "fail"]
+    lines = table_markdown(df).strip().split("\n")
+    assert lines[0].startswith("| candidate | KV cache | protocol | runs |")
+    assert lines[5].startswith("| mixed | fp8 | suite | 5 |") and lines[5].endswith("| REPEAT-REQUIRED |")
+    assert lines[6].endswith("| FAIL |") and lines[3].endswith("| n/a |")
+
+
 def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     df = comparison_table(_rows())
     target = tmp_path / "t.md"
@@ -272,7 +288,7 @@ def test_plots_valid_pngs_and_deterministic(tmp_path):
 def test_the_per_position_plot_reads_a_rolling_mean_that_skips_infinities():
     """The line drawn over the noisy positions is a centred rolling mean of the finite values only."""
     import numpy as np
-    from mixquant.kld.report import _rolling_mean
+    from mixquant.kld.plots import _rolling_mean
 
     x = np.array([1.0, 3.0, np.inf, 5.0, 7.0])
     got = _rolling_mean(np.where(np.isinf(x), np.nan, x), 3)

@@ -16,13 +16,13 @@ from mixquant.calibration.tokens import save_token_ids  # noqa: E402
 from mixquant.keys.canonical import canonical_sha256  # noqa: E402
 from mixquant.keys.manifest import read_manifest  # noqa: E402
 from mixquant.kld import run as kld_run  # noqa: E402
+from mixquant.kld.gate import load_runs, run_gate_kld  # noqa: E402
 from mixquant.kld.run import (  # noqa: E402
     AGGREGATE_JSON,
     PER_POSITION_FILE,
     RUN_JSON,
     KldRunError,
     run_dir,
-    run_gate_kld,
     run_kld,
     run_reference_logits,
 )
@@ -127,35 +127,39 @@ def test_a_gap_in_the_runs_is_refused(tmp_path):
     for run in (0, 2):
         run_dir(tmp_path, run).mkdir(parents=True)
     with pytest.raises(KldRunError, match=r"expected runs 0..n-1, found \[0, 2\]"):
-        kld_run._load_runs(tmp_path)
+        load_runs(tmp_path)
 
 
-def test_a_fresh_process_run_equals_the_in_process_run(inputs, tmp_path):
+def _spec(inputs, out: Path, kv: str, model: Path | None = None) -> dict:
+    settings = {"engine": ENGINE, "kv_cache_dtype": kv, "runs": 1, "threads": 1}
+    task = {"windows": str(inputs["prompt"]), "out": str(out), "reference": str(inputs["reference"])}
+    task.update(form="full", top_k=None)
+    return {
+        "model": str(model or inputs["model"]),
+        "kv_cache_dtype": kv,
+        "tasks": [task],
+        "settings": settings,
+    }
+
+
+def test_a_fresh_process_pass_equals_the_in_process_pass(inputs, tmp_path):
     """The vllm path (the engine in a new process per run) on the hf engine: the same files as in-process."""
-    settings = {"engine": ENGINE, "kv_cache_dtype": "fp8", "runs": 1, "threads": 1}
-    ids, ref = kld_run._run_inputs(inputs["prompt"], inputs["reference"])
-    kld_run._one_run(tmp_path / "here", ids, ref, inputs["model"], settings, 0)
-    logits, info, seconds = kld_run._logits_in_fresh_process(
-        inputs["model"], inputs["prompt"], settings, None, tmp_path, "fp8", "run 0"
-    )
-    kld_run._write_run(tmp_path / "child", ids, ref, logits, info, seconds, settings, 0)
-    here, child = (json.loads((tmp_path / d / RUN_JSON).read_text()) for d in ("here", "child"))
-    assert here["summary"] == child["summary"] and here["summary"]["mean_kld"] > 0
-    assert here["candidate_logits_sha256"] == child["candidate_logits_sha256"]
+    here = kld_run._pass_here(_spec(inputs, tmp_path / "here", "fp8"))
+    child = kld_run._pass_in_fresh_process(_spec(inputs, tmp_path / "child", "fp8"), None, "run 0")
+    assert here["results"] == child["results"] and here["results"][0]["summary"]["mean_kld"] > 0
+    for name in (PER_POSITION_FILE,):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "child" / name).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["child", "here"]  # the scratch is gone
 
 
 def test_a_failed_fresh_process_is_one_line(inputs, tmp_path):
-    settings = {"engine": ENGINE, "kv_cache_dtype": "bfloat16", "runs": 1, "threads": 1}
+    spec = _spec(inputs, tmp_path / "out", "bfloat16", model=tmp_path / "nowhere")
     with pytest.raises(KldRunError, match="run 0: the engine process exited with 1: .*nowhere"):
-        kld_run._logits_in_fresh_process(
-            tmp_path / "nowhere", inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
-        )
+        kld_run._pass_in_fresh_process(spec, None, "run 0")
 
 
 def test_a_run_is_judged_by_its_files_not_its_exit_status(inputs, tmp_path, monkeypatch):
     """vLLM's teardown has aborted (rc 134) after the output was complete: the files decide."""
-    settings = {"engine": ENGINE, "kv_cache_dtype": "bfloat16", "runs": 1, "threads": 1}
     real_run = kld_run.subprocess.run
 
     def aborting_at_exit(command, **kwargs):
@@ -164,10 +168,8 @@ def test_a_run_is_judged_by_its_files_not_its_exit_status(inputs, tmp_path, monk
         return kld_run.subprocess.CompletedProcess(command, 134, done.stdout, "terminate called\n")
 
     monkeypatch.setattr(kld_run.subprocess, "run", aborting_at_exit)
-    logits, _, _ = kld_run._logits_in_fresh_process(
-        inputs["model"], inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
-    )
-    assert logits.shape[0] == kld_run._prompt_ids(inputs["prompt"]).numel() - 1
+    result = kld_run._pass_in_fresh_process(_spec(inputs, tmp_path / "a", "bfloat16"), None, "run 0")
+    assert result["results"][0]["summary"]["positions"] == 23
 
     def aborting_early(command, **kwargs):  # no done.json: the output is not complete
         return kld_run.subprocess.CompletedProcess(
@@ -179,6 +181,4 @@ def test_a_run_is_judged_by_its_files_not_its_exit_status(inputs, tmp_path, monk
         KldRunError,
         match="run 0: the engine process exited with 134: terminate called without an active exception",
     ):
-        kld_run._logits_in_fresh_process(
-            inputs["model"], inputs["prompt"], settings, None, tmp_path, "bfloat16", "run 0"
-        )
+        kld_run._pass_in_fresh_process(_spec(inputs, tmp_path / "b", "bfloat16"), None, "run 0")

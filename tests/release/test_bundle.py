@@ -12,6 +12,7 @@ import yaml
 from mixquant.config import load_config_file, validate_config
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.manifest import verify_manifest, write_manifest
+from mixquant.kld.suite_tables import decomposition, domain_rows
 from mixquant.release.bundle import ReleaseInputError, run_assemble_release
 from mixquant.release.card import parse_front_matter
 from mixquant.release.recipe import load_recipe, recipe_document
@@ -19,7 +20,7 @@ from model_card_checks import check_uploadable
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEMENT = {layer: "nvfp4_w4a16" for layer in range(1, 5)} | {5: "fp8", 6: "fp8", 7: "bf16", 8: "bf16"}
-CANDIDATES = ("searched", "uniform-nvfp4", "bf16")
+CANDIDATES = ("searched", "modelopt-autoquantize", "uniform-nvfp4", "bf16")  # config/config.yaml's
 KV = ("bfloat16", "fp8")
 
 
@@ -65,7 +66,7 @@ def upstream(release_dirs, make_keyed_dir):
         "reference": release_dirs["reference_logits"],
         "verdict": make_keyed_dir("check_kld_gates", "verdict"),
     }
-    _json(dirs["verdict"] / "verdict.json", {"passed": True, "verdicts": [{}] * 6})
+    _json(dirs["verdict"] / "verdict.json", {"passed": True, "verdicts": [{}] * 2 * len(CANDIDATES)})
     for candidate in CANDIDATES:
         for kv in KV:
             gate = make_keyed_dir("gate_kld", f"{candidate}/{kv}")
@@ -221,6 +222,7 @@ def test_the_card_uploads_as_is_with_the_bits_of_every_candidate(upstream, tmp_p
     repo = _release(upstream, tmp_path, cfg) / "repo"
     recipe = recipe_document(cfg, PLACEMENT)
     bits = {"searched": 8.25, "uniform-nvfp4": 4.5, "bf16": 16.0, "uniform-fp8": 8.0, "fp8-half": 12.0}
+    bits["modelopt-autoquantize"] = None  # its engine recorded no layer formats here
     card = check_uploadable(repo, recipe, bits)
     served = repo_id or "<your-org>/toy-laguna-MixQuant-4xNVFP4-2xFP8-2xBF16"
     assert f"vllm serve {served} \\\n" in card.text
@@ -282,13 +284,98 @@ def test_the_upload_check_finds_what_a_hub_user_would(upstream, tmp_path, old, n
     cfg = load_config_file(REPO / "config/config.yaml")
     repo = _release(upstream, tmp_path, cfg) / "repo"
     recipe = recipe_document(cfg, PLACEMENT)
-    bits = {"searched": 8.25, "uniform-nvfp4": 4.5, "bf16": 16.0}
+    bits = {"searched": 8.25, "modelopt-autoquantize": None, "uniform-nvfp4": 4.5, "bf16": 16.0}
     check_uploadable(repo, recipe, bits)
     card = (repo / "README.md").read_text()
     assert old in card
     (repo / "README.md").write_text(card.replace(old, new))
     with pytest.raises(AssertionError, match=problem):
         check_uploadable(repo, recipe, bits)
+
+
+def _suite(gate: dict, mean: float) -> dict:
+    """``gate`` with an evaluation suite as gate_kld writes it: two domains of 4 windows x 64 tokens."""
+    domains = {
+        name: {"mean": mean, "ci_low": mean * 0.9, "ci_high": mean * 1.1, "windows": 4, "positions": 4 * 63}
+        for name in ("docs", "code")
+    }
+    improvement = None
+    if gate["improvement"] is not None:
+        per_domain = {
+            name: {"reduction": 0.3, "ci_low": 0.1, "ci_high": 0.5, "windows": 4} for name in domains
+        }
+        improvement = {"reduction": 0.3, "ci_low": 0.2, "ci_high": 0.4, "windows": 8, "domains": per_domain}
+    suite = {
+        "aggregate": {**gate["aggregate"], "mean_kld": mean},
+        "mean": {"mean": mean, "ci_low": mean * 0.9, "ci_high": mean * 1.1, "windows": 8, "positions": 8 * 63,
+                 "domains": domains},
+        "improvement": improvement,
+        "baseline_mean_kld": 0.02,
+        "noise_floor": 0.0,
+        "engine_floor": 0.0,
+        "windows": 8,
+        "window_tokens": 64,
+        "positions": 8 * 63,
+    }  # fmt: skip
+    checks = [{"name": "min_improvement", "value": 0.3, "limit": 0.1, "word": "pass", "passed": True}]
+    gated = gate["candidate"] == "searched"
+    verdict = {"word": "pass", "passed": True, "checks": checks if gated else []}
+    return gate | {"protocol": "suite", "suite": suite, "verdict": verdict}
+
+
+def test_a_suite_release_ships_the_report_and_the_per_domain_plots_its_card_shows(
+    upstream, tmp_path, make_keyed_dir
+):
+    """With kld_report as an input: its report.json and per-domain KL CDF plots ship in kld/, and the card
+    that embeds them and shows the suite, the decomposition and the verdict words uploads as is."""
+    documents = {}
+    for candidate in CANDIDATES:
+        for kv in KV:
+            gate = _suite(_gate(candidate, kv), 0.0 if candidate == "bf16" and kv == "bfloat16" else 0.01)
+            _json(Path(upstream[f"gate_{candidate}_{kv}"]) / "aggregate.json", gate)
+            documents[(candidate, kv)] = gate
+    report_dir = make_keyed_dir("kld_report", "report")
+    domains = [{"name": n, "source": f"data/eval/{n}.jsonl", "documents": 9, "windows": 4, "tokens": 256}
+               for n in ("docs", "code")]  # fmt: skip
+    disjoint = {"calibration_units": 40, "eval_units": 18, "shared": 0}
+    facts = {"domains": domains, "window_tokens": 64, "windows": 8, "tokens": 512, "positions": 504,
+             "token_ids_sha256": "d" * 64, "noise_floor": 0.0, "engine_floor": 0.0,
+             "disjoint_from_calibration": disjoint}  # fmt: skip
+    report = {
+        "baseline": "uniform-nvfp4",
+        "protocol": "suite",
+        "verdicts": [],
+        "suite": facts,
+        "decomposition": decomposition(documents, "bf16"),
+        "domains": domain_rows(documents),
+        "interval_widths": None,
+    }
+    _json(report_dir / "report.json", report)
+    plots = {kv: f"PNG of the {kv} KV cache".encode() for kv in KV}
+    for kv, data in plots.items():
+        (report_dir / f"kl_cdf_domains_{kv}.png").write_bytes(data)
+    (report_dir / "kl_per_position_fp8.png").write_bytes(b"not shipped")
+    write_manifest(report_dir, {"label": report_dir.name})
+    cfg = load_config_file(REPO / "config/config.yaml")
+    repo = _release(upstream | {"kld_report": report_dir}, tmp_path, cfg) / "repo"
+    assert sorted(
+        p.name for p in (repo / "kld").iterdir() if not p.name.endswith(f".{KV[0]}.json")
+    ) == sorted(
+        [
+            *(f"{c}.{KV[1]}.json" for c in CANDIDATES),
+            "report.json",
+            *(f"kl_cdf_domains_{kv}.png" for kv in KV),
+        ]
+    )
+    assert all((repo / "kld" / f"kl_cdf_domains_{kv}.png").read_bytes() == data for kv, data in plots.items())
+    assert json.loads((repo / "kld" / "report.json").read_text())["suite"] == facts
+    bits = {"searched": 8.25, "modelopt-autoquantize": None, "uniform-nvfp4": 4.5, "bf16": 16.0}
+    card = check_uploadable(repo, recipe_document(cfg, PLACEMENT), bits)  # the plots it names are shipped
+    assert "![KL(BF16 ‖ candidate) CDF per domain, fp8 KV cache](kld/kl_cdf_domains_fp8.png)" in card.text
+    assert "| docs | a local JSONL file, SHA-256 `2b007856d26ffa66…` | 9 | 4 | 256 |" in card.text
+    assert "| bf16 | bfloat16 | suite | 0 | 0 | 0 |" in card.text
+    assert "| searched | fp8 | 8.25 | suite |" in card.text and "| PASS |" in card.text
+    assert "on the evaluation suite: 2 pass, 6 not gated" in card.text
 
 
 def test_shipped_records_name_no_local_directory_or_host():

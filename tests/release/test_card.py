@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from mixquant.config import load_config_file
+from mixquant.kld.suite_tables import decomposition, domain_rows
 from mixquant.release.card import CardInputs, model_card, parse_front_matter
 from mixquant.release.recipe import recipe_document
 from mixquant.release.serving import serve_commands
@@ -226,3 +227,172 @@ def test_a_published_fingerprint_is_compared_and_is_no_hash(decisive):
     card = model_card(dataclasses.replace(inputs, recipe=recipe))
     assert "No published hashes are pinned" in card
     assert "(`published.numerics`): differs in `cpu_capability`; this release's reference logits" in card
+
+
+DOMAINS = ("docs", "code", "chat")
+
+
+def _suite_gate(gate: dict, mean: float, reduction: float | None, word: str = "pass") -> dict:
+    """``gate`` as gate_kld writes it with an evaluation suite: 24 windows of 256 tokens over three domains,
+    the window-level mean and (against a baseline) reduction with intervals, and the verdict word."""
+    domains = {
+        name: {"mean": mean * (1 + 0.1 * i), "ci_low": mean * 0.8, "ci_high": mean * 1.5, "windows": 8,
+               "positions": 8 * 255}
+        for i, name in enumerate(DOMAINS)
+    }  # fmt: skip
+    improvement = None
+    if reduction is not None:
+        improvement = {
+            "reduction": reduction, "ci_low": reduction - 0.12, "ci_high": reduction + 0.1, "windows": 24,
+            "domains": {name: {"reduction": reduction + 0.05 * (i - 1), "ci_low": reduction - 0.2,
+                               "ci_high": reduction + 0.2, "windows": 8} for i, name in enumerate(DOMAINS)},
+        }  # fmt: skip
+    suite = {
+        "aggregate": {**gate["aggregate"], "mean_kld": mean},
+        "mean": {"mean": mean, "ci_low": mean * 0.85, "ci_high": mean * 1.2, "windows": 24,
+                 "positions": 24 * 255, "domains": domains},
+        "improvement": improvement,
+        "baseline_mean_kld": 0.0321,
+        "noise_floor": 0.0,
+        "engine_floor": 0.0,
+        "windows": 24,
+        "window_tokens": 256,
+        "positions": 24 * 255,
+    }  # fmt: skip
+    checks = [
+        {"name": "min_improvement", "value": reduction, "limit": 0.1, "word": word, "passed": word == "pass"}
+    ]
+    verdict = {"word": word, "passed": word == "pass", "checks": checks}
+    return {**gate, "protocol": "suite", "suite": suite, "verdict": verdict}
+
+
+def _report(inputs: CardInputs) -> dict:
+    """kld_report's report.json for ``inputs``' gates: the suite's facts, decomposition, domains, widths."""
+    documents = {(g["candidate"], g["kv_cache_dtype"]): g for g in inputs.gates}
+    return {
+        "baseline": "uniform-nvfp4",
+        "protocol": "suite",
+        "verdicts": [],
+        "suite": {
+            "domains": [
+                {"name": name, "source": f"data/eval/{name}.jsonl", "documents": 80, "windows": 8,
+                 "tokens": 8 * 256}
+                for name in DOMAINS
+            ],
+            "window_tokens": 256,
+            "windows": 24,
+            "tokens": 24 * 256,
+            "positions": 24 * 255,
+            "token_ids_sha256": "e" * 64,
+            "disjoint_from_calibration": {"calibration_units": 1234, "eval_units": 567, "shared": 0},
+            "noise_floor": 0.0,
+            "engine_floor": 0.0,
+        },
+        "decomposition": decomposition(documents, "bf16"),
+        "domains": domain_rows(documents),
+        "interval_widths": {
+            "candidate": "searched", "baseline": "uniform-nvfp4", "kv_cache_dtype": "bfloat16",
+            "prompt": {"reduction": 0.4123, "ci_low": 0.3623, "ci_high": 0.4623, "width": 0.1},
+            "suite": {"reduction": 0.35, "ci_low": 0.23, "ci_high": 0.45, "width": 0.22},
+            "ratio": 2.2,
+        },
+    }  # fmt: skip
+
+
+def _suite_inputs(word: str = "pass") -> CardInputs:
+    inputs = _inputs()
+    means = {"searched": 0.0141, "uniform-nvfp4": 0.0321, "bf16": 0.0}
+    gates = []
+    for gate in inputs.gates:
+        name, kv = gate["candidate"], gate["kv_cache_dtype"]
+        mean = means[name] if kv == "bfloat16" else means[name] * 1.2 + 0.0005
+        reduction = None if name == "uniform-nvfp4" else (0.35 if name == "searched" else 0.98)
+        gates.append(_suite_gate(gate, mean, reduction, word if name == "searched" else "pass"))
+    files = [
+        *inputs.files,
+        "kld/kl_cdf_domains_bfloat16.png",
+        "kld/kl_cdf_domains_fp8.png",
+        "kld/report.json",
+    ]
+    inputs = dataclasses.replace(inputs, gates=gates, files=sorted(files))
+    return dataclasses.replace(inputs, report=_report(inputs))
+
+
+def _kld_section(card: str) -> str:
+    return card[card.index("## KL divergence vs BF16") : card.index("## Serving with vLLM")]
+
+
+def test_a_suite_card_shows_the_suite_the_decomposition_the_floors_and_the_verdict_words():
+    inputs = _suite_inputs()
+    card = model_card(inputs)
+    kld = _kld_section(card)
+    headings = (
+        "### The evaluation suite",
+        "### Decomposed KLD",
+        "### Floors",
+        "### Per domain",
+        "### Interval width: one prompt against the suite",
+        "### The published-hash protocol: the pinned prompt",
+    )
+    positions = [kld.index(heading) for heading in headings]
+    assert positions == sorted(positions)
+    assert "at each of 6,120 positions of 24 windows of 256 tokens over 3 domains (docs, code, chat)" in kld
+    # the suite: each domain's pinned source (by content, never the builder's path), windows and tokens
+    assert "| docs | a local JSONL file, SHA-256 `2b007856d26ffa66…` | 80 | 8 | 2,048 |" in kld
+    assert "567 evaluation text units against 1,234 of the calibration dataset, 0 shared" in kld
+    assert f"token IDs SHA-256 `{'e' * 64}`" in kld and "data/eval" not in card
+    # the gated table: the verdict word on the suite's rows, the prompt's rows reported only
+    assert "| searched | bfloat16 | 7.1875 | suite | 5 | 0.0141 ± 0.0001 |" in kld
+    suite_row = next(
+        line for line in kld.splitlines() if line.startswith("| searched | fp8 | 7.1875 | suite |")
+    )
+    prompt_row = next(
+        line for line in kld.splitlines() if line.startswith("| searched | fp8 | 7.1875 | prompt |")
+    )
+    assert suite_row.endswith("| PASS |") and prompt_row.endswith("| n/a |")
+    assert "mean KLD 0.0141 on the suite, 35.00% below `uniform-nvfp4` [23.00%, 45.00%]: pass" in kld
+    # weights-only, deployment, KV-only side by side; the BF16 self-check with BF16 KV exactly 0 thrice
+    assert (
+        "| candidate | KV cache | protocol | weights-only (BF16 KV) | deployment | KV-only (BF16 weights) |"
+        in kld
+    )
+    assert "| searched | fp8 | suite | 0.0141 | 0.01742 | 0.0005 |" in kld
+    assert "| bf16 | bfloat16 | suite | 0 | 0 | 0 |" in kld
+    assert "noise floor (mean KL between 2 fresh reference captures on the `hf` engine): 0 nats" in kld
+    assert "against the reference path): 0 nats; gated at 0, never subtracted." in kld
+    assert (
+        "| searched | fp8 | chat | 8 | 2,040 | 0.0209 [0.01394, 0.02613] | 40.0 % [15.0 %, 55.0 %] |" in kld
+    )
+    assert "![KL(BF16 ‖ candidate) CDF per domain, fp8 KV cache](kld/kl_cdf_domains_fp8.png)" in kld
+    assert "2.20× the prompt's width" in kld
+    assert "its reduction moves from 30.00% (docs) to 40.00% (chat)" in kld
+    # the status: the words counted and what the KLD measured
+    assert "(6 candidate × KV checks on the evaluation suite: 6 pass, `check_kld_gates`)" in card
+    assert "- KLD is gated on 24 held-out windows (6,120 positions) over 3 domains (docs, code, chat)" in card
+    assert "The KLD protocol is one pinned prompt" not in card
+    assert model_card(inputs) == card  # deterministic
+
+
+def test_a_straddling_interval_says_repeat_required_and_the_tables_stand_without_the_report():
+    card = model_card(_suite_inputs("repeat-required"))
+    kld = _kld_section(card)
+    suite_row = next(
+        line for line in kld.splitlines() if line.startswith("| searched | bfloat16 | 7.1875 | suite |")
+    )
+    assert suite_row.endswith("| REPEAT-REQUIRED |")
+    assert "[23.00%, 45.00%]: repeat-required" in kld
+    assert "on the evaluation suite: 4 pass, 2 repeat-required" in card
+    # without kld_report's report.json: the tables from the gate documents, no suite facts or widths
+    bare = dataclasses.replace(_suite_inputs(), report=None)
+    kld = _kld_section(model_card(bare))
+    assert "### The evaluation suite" not in kld and "### Interval width" not in kld
+    assert "| bf16 | bfloat16 | suite | 0 | 0 | 0 |" in kld and "### Per domain" in kld
+    assert "noise floor (mean KL between 2 fresh reference captures on the `hf` engine): 0 nats" in kld
+
+
+def test_a_prompt_card_says_the_prompt_is_all_it_measured():
+    card = model_card(_inputs())
+    assert "- The KLD protocol is one pinned prompt (2,047 positions of one text); it is not a task" in card
+    for absent in ("### Decomposed KLD", "### The published-hash protocol", "on the evaluation suite"):
+        assert absent not in card
+    assert "| searched | bfloat16 | 7.1875 | prompt |" in card

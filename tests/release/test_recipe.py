@@ -62,14 +62,17 @@ def test_recipe_round_trips_to_the_same_keys(tmp_path, monkeypatch, config, plac
     monkeypatch.chdir(REPO)  # relative paths in the configs (corpus, prompt file, geometry)
     cfg = load_config_file(config)
     assert cfg.placement.source == "search"
-    searched = resolve_artifacts(cfg, placement=placement)
+    # a ModelOpt AutoQuantize candidate (the toy's) waits for its own placement: handed here as well
+    searched = resolve_artifacts(cfg, placement=placement, autoquantized=placement)
     path = tmp_path / "quantization_recipe.yaml"
     path.write_text(recipe_yaml(recipe_document(cfg, placement), ["a header", ""]), "utf-8")
     assert path.read_text("utf-8").startswith("# a header\n#\n")
 
     replay_cfg = load_recipe(path)  # the project's config loader, as the Snakefile validates it
     assert replay_cfg.placement.source == "explicit"
-    replayed = resolve_artifacts(replay_cfg)  # no placement given: the recipe alone decides it
+    replayed = resolve_artifacts(
+        replay_cfg, autoquantized=placement
+    )  # the recipe alone decides the placement
     # the search's own stages are gone; everything the checkpoint and its KLD are made of is the same
     searched_keys, replayed_keys = _checkpoint_keys(searched), _checkpoint_keys(replayed)
     search_only = {n for n, a in searched.items() if a.stage in ("score_sensitivity", "solve_placement")}

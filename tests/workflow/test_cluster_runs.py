@@ -21,7 +21,8 @@ SLURM_TOOLS = REPO / "tools" / "slurm-local"
 def slice_targets(wd) -> dict[str, str]:
     """One job of every kind of rule before the placement's solve, GPU-requesting ones included: the toy
     model, calibration, prompt, activation statistics, the layer windows, the first score pass (it reads
-    every window), the BF16 reference logits and the BF16 candidate's KLD job (BF16 KV)."""
+    every window), the evaluation suite's windows, the BF16 reference logits of the prompt and of the suite,
+    and the BF16 candidate's KLD job (BF16 KV)."""
     paths = wd.paths()
     scores = sorted(name for name in paths if name.startswith("scores/"))[0]
     names = [
@@ -30,7 +31,9 @@ def slice_targets(wd) -> dict[str, str]:
         "prompt",
         "activations",
         scores,
+        "eval",
         "reference_logits",
+        "suite_reference",
         "kld/bf16/bfloat16",
     ]
     names += sorted(name for name in paths if name.startswith("layers/"))
@@ -102,7 +105,7 @@ def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_wor
     log = result.stdout + result.stderr
     submitted = re.findall(r"Job (\d+) has been submitted with SLURM jobid (\d+)", log)
     kinds = {"fetch_model", "sample_calibration", "pin_prompt", "collect_activation_stats"}
-    kinds |= {"quantize_layer", "score_sensitivity", "reference_logits", "run_kld"}
+    kinds |= {"quantize_layer", "score_sensitivity", "sample_eval", "reference_logits", "run_kld"}
     ran = set(re.findall(r"^rule (\w+):$", log, re.M))
     assert kinds <= ran, ran
     # every job went through sbatch, and SLURM ran it
@@ -122,7 +125,8 @@ def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_wor
             planned[key],
         )
     gpu_jobs = [options for _, _, options in calls if "--gpus=4" in options]
-    assert len(gpu_jobs) == 2 and all("--nodes=1" in options for _, _, options in calls)
+    # the two references (the prompt's, the suite's) and the KLD job
+    assert len(gpu_jobs) == 3 and all("--nodes=1" in options for _, _, options in calls)
     # the GPU jobs got their 4 fake GPUs (GRES): SLURM ran them
     for rule in ("reference_logits", "run_kld"):
         logs = list((wd.root / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))

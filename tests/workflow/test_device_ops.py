@@ -1,7 +1,8 @@
 """No device stage of the default DAG runs an op that CUDA refuses under deterministic algorithms.
 
 On CUDA the device stages -- the stages whose registry device is not "cpu": collect_activation_stats,
-quantize_layer, score_sensitivity, and reference_logits and run_kld with the hf engine -- run with
+quantize_layer, score_sensitivity, autoquantize_placement, and reference_logits and run_kld with the hf engine
+-- run with
 ``torch.use_deterministic_algorithms(True)`` (``mixquant.numerics.CUDA_PROFILE``), where an op without a
 deterministic CUDA kernel raises. CI has no GPU, so each device job's own runner
 (``STAGES[stage].runner``, called as ``mixquant run`` calls it, with the artifact's settings and key) runs
@@ -20,8 +21,10 @@ NVFP4 and one to FP8 (the toy's others to BF16), one layer per quantize job:
   inputs from the statistics) and BF16 windows;
 * score_sensitivity: the branch-parallel KL scores of the NVFP4 and the FP8 layer from the rebuilt
   weights, branches run alone on the toy (the default) and stacked on the others (the GPU setting);
-* reference_logits, and run_kld of the exported mixed checkpoint: one run with a BF16 and one with an FP8
-  KV cache.
+* autoquantize_placement: ModelOpt's own ``auto_quantize(method="kl_div")`` (its calibration and scores,
+  the NVFP4 fake quant through the CPU replacement where ModelOpt would run its CUDA kernel);
+* reference_logits (the prompt's and the evaluation suite's, one 32-token window per domain, two captures),
+  and run_kld of the exported mixed checkpoint: one run with a BF16 and one with an FP8 KV cache.
 
 Not covered: what only CUDA dispatches (SDPA picks a CUDA backend op instead of the CPU one; kernels
 inside ModelOpt's CUDA extensions), backward ops (no stage differentiates), and the prefetch thread's
@@ -63,6 +66,7 @@ MARKERS = {
     "score_sensitivity": "aten::_log_softmax",
     "reference_logits": "aten::index_add_",
     "run_kld": "aten::_log_softmax",
+    "autoquantize_placement": "aten::kl_div",  # ModelOpt's kl_div scores
 }
 
 
@@ -85,7 +89,14 @@ def small_config(wd, name: str, model: dict | None = None, stack_branches: bool 
     config["quantize"].update(activation_batch_size=4, layers_per_job=1)
     kld = config["kld"]
     kld.update(runs=1, kv_cache_dtypes=["bfloat16", "fp8"], baseline=None)
-    kld["candidates"] = [{"name": "searched", "source": "searched"}]
+    kld["candidates"] = [
+        {"name": "searched", "source": "searched"},
+        {"name": "modelopt", "source": "modelopt_autoquantize"},  # ModelOpt's auto_quantize on the device
+    ]
+    kld["gates"]["gated"] = None
+    kld["eval"]["window_tokens"] = 32  # the suite: one short window per domain
+    for domain in kld["eval"]["domains"]:
+        domain["windows"] = 1
     config.pop("published", None)
     return wd.write_config(f"config/{name}.yaml", config)
 

@@ -71,13 +71,15 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     changed = wd.write_config("config/fewer-samples.yaml", config)
     # Nothing upstream reruns; downstream, only what reads calibration: activations, the FP8 layer
     # results (one window of all 8 MoE layers: the search scores FP8 everywhere), the score passes (16
-    # sequences: one pass of macro_batch 32), the solve.
+    # sequences: one pass of macro_batch 32), the solve, and ModelOpt's AutoQuantize placement (its own
+    # calibration and scores).
     assert wd.plan(changed) == {
         "sample_calibration": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 1,
         "score_sensitivity": 1,
         "solve_placement": 1,
+        "autoquantize_placement": 1,
     }
     wd.snakemake(wd.paths(changed)["calibration"]["path"], "--configfile", changed)
     after = wd.paths(changed)
@@ -168,23 +170,26 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
         "score_sensitivity": 2,
         "solve_placement": 1,
     }
-    # and the uniform-NVFP4 KLD candidate: its export, runs and the gates that compare with it
+    # and the KLD candidates with NVFP4 layers: the uniform-NVFP4 one and ModelOpt's AutoQuantize placement
+    # (known: its stage does not read the NVFP4 settings), their exports, runs and the gates that compare
+    # with them (the BF16 self-check's too: uniform NVFP4 is its baseline)
     assert {
         k: v for k, v in plan.items() if k not in ("quantize_layer", "score_sensitivity", "solve_placement")
     } == {
-        "export_checkpoint": 1,
-        "run_kld": 2,
-        "gate_kld": 4,
+        "export_checkpoint": 2,
+        "run_kld": 4,
+        "gate_kld": 6,
     }
     config["placement"]["source"] = "explicit"  # without the search: the placed layers only
     explicit = wd.write_config("config/nvfp4-max-explicit.yaml", config)
     plan = wd.plan(explicit)
     # the NVFP4 window (layers 1-4 placed, all 8 for the uniform-NVFP4 KLD candidate), the BF16 window if
-    # the search placed no BF16 layer, both exports; nothing upstream
+    # the search placed no BF16 layer, the exports; nothing upstream
     missing = [n for n, row in wd.paths(explicit).items() if n.startswith("layers/") and not row["done"]]
     assert "layers/nvfp4_w4a16/1-8" in missing
     assert all(n.startswith(("layers/nvfp4_w4a16/", "layers/bf16/")) for n in missing)
-    assert plan["quantize_layer"] == len(missing) and plan["export_checkpoint"] == 2
+    # the placement's export, the uniform-NVFP4 candidate's and ModelOpt's AutoQuantize placement's
+    assert plan["quantize_layer"] == len(missing) and plan["export_checkpoint"] == 3
     assert not {"sample_calibration", "collect_activation_stats", "score_sensitivity"} & set(plan)
 
 

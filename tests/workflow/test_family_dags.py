@@ -5,6 +5,7 @@ the streamed branch-parallel search, the rebuild, the export, the KLD runs and g
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ DAG_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral")
 
 def family_config(wd, model_type: str) -> str:
     """The default config pointed at the instance, sized for a quick run: 16 calibration sequences of 64
-    tokens in one scoring pass, a 7-bit budget, a 128-token prompt, 2 KLD runs with a BF16 KV cache."""
+    tokens in one scoring pass, a 7-bit budget, a 128-token prompt, a suite of 12 windows of 64 tokens, 2 KLD
+    runs with a BF16 KV cache."""
     from mixquant.model.families import architecture
     from mixquant.model.fetch import identity_sha256, local_dir_identity
     from mixquant.release.recipe import layer_ranges
@@ -53,6 +55,9 @@ def family_config(wd, model_type: str) -> str:
         {"name": "uniform-nvfp4", "source": "uniform", "format": "nvfp4_w4a16"},
     ]
     kld["gates"] = {"max_run_spread": 0.0, "bootstrap_samples": 1000, "confidence": 0.95}
+    kld["eval"]["window_tokens"] = 64  # the suite: 3 domains x 4 windows of 64 tokens
+    for domain in kld["eval"]["domains"]:
+        domain["windows"] = 4
     config.pop("published", None)
     config["release"] = {"name": f"tiny-{model_type}-mixquant", "license": "other", "license_name": "test"}
     return wd.write_config(f"config/{model_type}.yaml", config)
@@ -71,9 +76,11 @@ def test_the_whole_dag_runs_on_a_family(workdir, model_type):
     assert {str(k): v for k, v in audit["inspection"]["layer_formats"].items()} == placement
     verdict = json.loads((root / paths["kld_verdict"]["path"] / "verdict.json").read_text())
     assert verdict["passed"] is True
-    report = (root / paths["kld_report"]["path"] / "kld_table.csv").read_text().splitlines()
-    mean = {line.split(",")[0]: float(line.split(",")[3]) for line in report[1:]}
-    assert 0 < mean["searched"] < mean["uniform-nvfp4"]  # the search pays off at 6 bits
+    with (root / paths["kld_report"]["path"] / "kld_table.csv").open() as table:
+        rows = list(csv.DictReader(table))
+    for protocol in ("prompt", "suite"):
+        mean = {row["candidate"]: float(row["mean_kld"]) for row in rows if row["protocol"] == protocol}
+        assert 0 < mean["searched"] < mean["uniform-nvfp4"], protocol  # the search pays off at 7 bits
     checkpoint = root / paths["checkpoint"]["path"]
     assert unmatched_quantized_layers(checkpoint, model_type) == []
     algos = {"nvfp4_w4a16": "W4A16_NVFP4", "fp8": "FP8", "bf16": None}

@@ -16,7 +16,7 @@ from mixquant.keys.manifest import verify_manifest
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
-CANDIDATES = ("searched", "uniform-nvfp4", "bf16")
+CANDIDATES = ("searched", "modelopt-autoquantize", "uniform-nvfp4", "bf16")
 KV = ("bfloat16", "fp8")
 
 
@@ -56,26 +56,41 @@ def test_runs_aggregates_and_verdicts(built_workdir):
     # the BF16 self-check is exactly 0 with a BF16 KV cache; with FP8 KV only the cache is quantized
     assert aggregates["bf16", "bfloat16"]["aggregate"]["mean_kld_runs"] == [0.0] * 5
     assert 0 < aggregates["bf16", "fp8"]["aggregate"]["mean_kld"]
+    assert aggregates["bf16", "bfloat16"]["suite"]["mean"]["mean"] == 0.0  # and on every suite window
     for kv in KV:
         searched, uniform = aggregates["searched", kv], aggregates["uniform-nvfp4", kv]
-        assert searched["aggregate"]["mean_kld"] < uniform["aggregate"]["mean_kld"]
-        improvement = searched["improvement"]
-        assert improvement["ci_low"] > 0 and improvement["reduction"] > improvement["ci_low"]
+        assert searched["protocol"] == "suite" and searched["verdict"]["word"] == "pass"
+        for protocol, own, base in (
+            ("prompt", searched["aggregate"]["mean_kld"], uniform["aggregate"]["mean_kld"]),
+            ("suite", searched["suite"]["mean"]["mean"], uniform["suite"]["mean"]["mean"]),
+        ):
+            assert own < base, protocol
+        for improvement in (searched["improvement"], searched["suite"]["improvement"]):
+            assert improvement["ci_low"] > 0 and improvement["reduction"] > improvement["ci_low"]
+        suite = searched["suite"]["improvement"]
+        assert set(suite["domains"]) == {"docs", "code", "chat"} and suite["windows"] == 24
         print(
-            f"{kv} KV: searched {searched['aggregate']['mean_kld']:.6f} vs uniform NVFP4 "
-            f"{uniform['aggregate']['mean_kld']:.6f}: reduction {improvement['reduction']:.4f} "
-            f"[{improvement['ci_low']:.4f}, {improvement['ci_high']:.4f}]"
+            f"{kv} KV: searched {searched['suite']['mean']['mean']:.6f} vs uniform NVFP4 "
+            f"{uniform['suite']['mean']['mean']:.6f} on the suite: reduction {suite['reduction']:.4f} "
+            f"[{suite['ci_low']:.4f}, {suite['ci_high']:.4f}]"
         )
 
     report = _dir(wd, paths, "kld_report")
     rows = list(csv.DictReader((report / "kld_table.csv").open()))
-    assert [(r["candidate"], r["kv_cache_dtype"]) for r in rows] == [(c, kv) for kv in KV for c in CANDIDATES]
-    assert (report / "kld_table.md").read_text().count("\n|") >= 7
+    expected = [(c, kv, p) for kv in KV for c in CANDIDATES for p in ("prompt", "suite")]
+    assert [(r["candidate"], r["kv_cache_dtype"], r["protocol"]) for r in rows] == expected
+    assert (report / "kld_table.md").read_text().count("\n|") >= 17
     for kv in KV:
-        for name in (f"kl_cdf_{kv}.png", f"kl_per_position_{kv}.png"):
+        for name in (f"kl_cdf_{kv}.png", f"kl_per_position_{kv}.png", f"kl_cdf_domains_{kv}.png"):
             assert (report / name).read_bytes()[:4] == b"\x89PNG"
+    document = json.loads((report / "report.json").read_text())
+    (row,) = [
+        r for r in document["decomposition"] if (r["candidate"], r["kv_cache_dtype"]) == ("bf16", "bfloat16")
+    ]
+    assert (row["weights_only"], row["deployment"], row["kv_only"]) == (0.0, 0.0, 0.0)
+    assert document["suite"]["disjoint_from_calibration"]["shared"] == 0
     verdict = json.loads((_dir(wd, paths, "kld_verdict") / "verdict.json").read_text())
-    assert verdict["passed"] is True and len(verdict["verdicts"]) == 6
+    assert verdict["passed"] is True and len(verdict["verdicts"]) == 8
     print((report / "kld_table.md").read_text())
 
 
@@ -85,11 +100,11 @@ def test_failing_gate_fails_with_one_line_and_keeps_the_aggregates(built_workdir
     config["kld"]["gates"]["max_mean_kld"] = 1e-9
     name = wd.write_config("config/strict-gates.yaml", config)
     # (and the release, whose recipe holds the gates: never assembled past a failed gate)
-    assert wd.plan(name) == {"gate_kld": 6, "kld_report": 1, "check_kld_gates": 1, "assemble_release": 1}
+    assert wd.plan(name) == {"gate_kld": 8, "kld_report": 1, "check_kld_gates": 1, "assemble_release": 1}
     result = wd.snakemake("--configfile", name, check=False)
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("mixquant:")]
-    assert len(lines) == 1 and "KLD gates failed: searched/bfloat16: max_mean_kld" in lines[0], lines
+    assert len(lines) == 1 and "KLD gates failed: searched/bfloat16 fail: max_mean_kld" in lines[0], lines
     paths = wd.paths(name)
     assert all(paths[n]["done"] for n in paths if n.startswith("gate/")) and paths["kld_report"]["done"]
     assert not paths["kld_verdict"]["done"] and not paths["release"]["done"]

@@ -23,10 +23,14 @@ TOY_DAG = {
     "quantize_layer": 2,  # one window per format, every MoE layer in NVFP4 and in FP8: what the search scores
     "score_sensitivity": 2,  # 2 streamed passes of 32 sequences, each scoring every (layer, format)
     "solve_placement": 1,
-    # KLD of what does not depend on the placement: the uniform-NVFP4 candidate (its export reuses the
+    # ModelOpt's own AutoQuantize placement (a checkpoint too: its rebuild follows it)
+    "autoquantize_placement": 1,
+    # the evaluation suite's windows, and the references of the prompt and of the suite
+    "sample_eval": 1,
+    "reference_logits": 2,
+    # KLD of what does not depend on a placement: the uniform-NVFP4 candidate (its export reuses the
     # search's NVFP4 layer results) and the BF16 self-check, 2 KV dtypes each (5 runs per job), and gates
     "export_checkpoint": 1,
-    "reference_logits": 1,
     "run_kld": 4,
     "gate_kld": 4,
 }
@@ -37,16 +41,22 @@ def test_default_config_plans_the_toy_dag(workdir):
 
 
 def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
+    """With the explicit placement (and without the ModelOpt candidate, whose placement is a checkpoint of
+    its own) the whole DAG is known up front."""
     config = workdir.config()
     config["placement"]["source"] = "explicit"
+    config["kld"]["candidates"] = [
+        c for c in config["kld"]["candidates"] if c["source"] != "modelopt_autoquantize"
+    ]
     assert workdir.plan(workdir.write_config("config/explicit.yaml", config)) == {
         "fetch_model": 1,
         "sample_calibration": 1,
         "pin_prompt": 1,
+        "sample_eval": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 3,  # one window per format placed (NVFP4 also covers the uniform candidate)
         "export_checkpoint": 2,  # the placement's and the uniform-NVFP4 candidate's
-        "reference_logits": 1,
+        "reference_logits": 2,  # the prompt's and the suite's
         "run_kld": 6,  # 3 candidates x 2 KV dtypes, 5 fresh-engine runs in each job
         "gate_kld": 6,
         "kld_report": 1,
@@ -69,7 +79,8 @@ def test_reference_config_plans_without_weights(workdir):
         "score_sensitivity": 2,  # 2 streamed passes, each scoring every (layer, format) on 256 sequences
         "solve_placement": 1,
         "fetch_model": 2,  # the BF16 model and the pinned baseline checkpoint
-        "reference_logits": 1,
+        "sample_eval": 1,  # the evaluation suite: 123 windows of 2,048 tokens
+        "reference_logits": 2,  # the prompt's and the suite's
         "run_kld": 2,  # the baseline, 2 KV dtypes (5 runs each); the searched candidate's follow the solve
         "gate_kld": 2,
     }
@@ -138,7 +149,8 @@ LAGUNA_PLAN = {
     "score_sensitivity": 2,  # 512 sequences in 2 streamed passes of 256 (the B200's memory)
     "solve_placement": 1,
     "fetch_model": 2,
-    "reference_logits": 1,
+    "sample_eval": 1,  # the evaluation suite: 123 windows of 2,048 tokens over three domains
+    "reference_logits": 2,  # the pinned prompt's and the suite's (top-k form, 2 captures)
     "run_kld": 2,
     "gate_kld": 2,
 }
@@ -255,21 +267,20 @@ def test_a_cpu_config_on_the_slurm_profile_asks_for_no_gpu(workdir):
     assert plan["ready"] is True and plan["blockers"] == []
 
 
+def _laguna_slurm_plan(workdir, *config: str) -> dict:
+    args = ("--no-env-check", "--profile", "profiles/slurm-blackwell", "--configfile", LAGUNA)
+    return json.loads(workdir.mixquant("plan", "--json", *args, *config).stdout)
+
+
 def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
     """The README's numbers for Laguna-S-2.1 on slurm-blackwell: every forward stage on the GPU partition,
     at most 64 GB of host memory per job, sensitivity within 1 GPU-hour, the pipeline within 10 GPU-hours
-    and 50 CPU core-hours (as allocated), and a critical path within 3 hours."""
-    plan = json.loads(
-        workdir.mixquant(
-            "plan",
-            "--json",
-            "--no-env-check",
-            "--profile",
-            "profiles/slurm-blackwell",
-            "--configfile",
-            "config/laguna-s-2.1.yaml",
-        ).stdout
-    )
+    and 50 CPU core-hours (as allocated), a critical path within 3 hours -- with the evaluation suite (the
+    config as shipped: 123 windows of 2,048 tokens, a top-k reference, 2 captures) and without it (the
+    pinned prompt alone, as the release measured it). The suite fits because the vLLM engine applies its
+    off-engine lm_head and computes the KL statistics on the job's first GPU (mixquant.kld.vllm_engine,
+    mixquant.kld.capture), not on the job's one CPU thread."""
+    plan = _laguna_slurm_plan(workdir)
     for job in plan["jobs"]:
         if job["rule"] in DEVICE_RULES + ENGINE_RULES:
             assert " -p gpu " in f" {job['sbatch']} " and int(job["resources"]["gpu"]) >= 1, job
@@ -280,6 +291,18 @@ def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
     assert sum(row["gpu_hours"] for row in rows) <= 10.0
     assert sum(row["cpu_hours"] for row in rows) <= 50.0
     critical = plan["critical_path"]
+    assert 0 < critical["seconds"] <= 3 * 3600 and critical["slots"] == 64
+    assert critical["chain"][0] == "model" and critical["chain"][-1] == "release"
+    suite = [row for row in rows if row["stage"] in ("sample_eval", "reference_logits", "run_kld")]
+    assert {row["stage"] for row in suite} == {"sample_eval", "reference_logits", "run_kld"}
+
+    prompt_only = _laguna_slurm_plan(workdir, "--config", "kld={eval: null}")
+    rows = prompt_only["estimates"]
+    assert "sample_eval" not in {row["stage"] for row in rows}
+    assert max(row["peak_host_bytes"] for row in rows) <= 64e9
+    assert sum(row["gpu_hours"] for row in rows) <= 10.0
+    assert sum(row["cpu_hours"] for row in rows) <= 50.0
+    critical = prompt_only["critical_path"]
     assert 0 < critical["seconds"] <= 3 * 3600 and critical["slots"] == 64
     # the chain runs through the search and then the placed rebuild: the solve gates the export
     chain = critical["chain"]

@@ -41,11 +41,13 @@ def test_release_bundle(built_workdir):
     bundle = {name.removeprefix("repo/"): row for name, row in read_manifest(keyed)["files"].items()}
     assert {name: bundle[name] for name in shipped} == shipped
     extra = sorted(set(bundle) - set(shipped))
-    gates = [
-        f"kld/{c}.{kv}.json" for c in ("bf16", "searched", "uniform-nvfp4") for kv in ("bfloat16", "fp8")
-    ]
+    candidates = ("bf16", "modelopt-autoquantize", "searched", "uniform-nvfp4")
+    gates = [f"kld/{c}.{kv}.json" for c in candidates for kv in ("bfloat16", "fp8")]
+    # the evaluation suite's report (what the card's suite sections are made from) and its per-domain plots
+    suite = ["kld/report.json", "kld/kl_cdf_domains_bfloat16.png", "kld/kl_cdf_domains_fp8.png"]
     reference = ["reference/logits.safetensors", "reference/prompt.safetensors", "reference/reference.json"]
-    assert extra == sorted(["README.md", RECIPE, "placement_audit.json", "numerics.json", *reference, *gates])
+    shipped_extra = ["README.md", RECIPE, "placement_audit.json", "numerics.json", *reference, *gates, *suite]
+    assert extra == sorted(shipped_extra)
     # the reference logits ship byte for byte, their record without the (informative) host, and the
     # numerics fingerprint they were made under
     made = _dir(wd, paths, "reference_logits")
@@ -78,12 +80,16 @@ def test_release_bundle(built_workdir):
     for record in hashes.values():
         assert f"`{record.sha256}`" in card
     searched = json.loads((release / "kld/searched.bfloat16.json").read_text())
-    assert f"{100 * searched['improvement']['reduction']:.2f}% below `uniform-nvfp4`" in card
+    gated = searched["suite"]["improvement"]  # the gates judged the evaluation suite
+    assert f"{100 * gated['reduction']:.2f}% below `uniform-nvfp4`" in card
+    assert "### The evaluation suite" in card and "### Decomposed KLD" in card
     assert "--kv-cache-dtype bfloat16" in card and "--kv-cache-dtype fp8" in card
     # the card as the Hub reads it: front matter, only the repository's own files, the serve command's
     # repository (the default config leaves release.repo_id unset: the placeholder), each candidate's bits
     recipe = load_recipe(release / RECIPE).model_dump(mode="json")
+    autoquantize = json.loads((_dir(wd, paths, "autoquantize") / "placement.json").read_text())["metadata"]
     bits = {"searched": audit["routed_effective_bits"], "uniform-nvfp4": 4.5, "bf16": 16.0}
+    bits["modelopt-autoquantize"] = autoquantize["routed_effective_bits"]
     check_uploadable(release, recipe, bits)
     print(card)
 
@@ -100,6 +106,11 @@ def test_replay_from_the_recipe_alone(built_workdir, workdir):
     shutil.copyfile(release / RECIPE, rebuild.root / RECIPE)
     replayed = rebuild.paths(RECIPE)
     assert not any(row["done"] for row in replayed.values())  # nothing shared: no results at all
+    # ModelOpt's AutoQuantize placement (a KLD candidate) is a checkpoint the replay would run first; its
+    # result copied in, the replay plans everything downstream of it too
+    assert replayed["autoquantize"]["key"] == paths["autoquantize"]["key"]
+    shutil.copytree(_dir(wd, paths, "autoquantize"), rebuild.root / paths["autoquantize"]["path"])
+    replayed = rebuild.paths(RECIPE)
     built = {name: row for name, row in paths.items() if row["stage"] not in SEARCH_STAGES}
     placed = {name for name in replayed if name.startswith("layers/")}
     assert placed <= set(built)

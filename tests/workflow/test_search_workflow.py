@@ -146,7 +146,8 @@ def test_budget_change_reruns_only_the_solve_and_what_follows(built_workdir):
     config = wd.config()
     config["placement"]["target_effective_bits"] = 5.0
     name = wd.write_config("config/budget-5.yaml", config)
-    assert wd.plan(name) == {"solve_placement": 1}
+    # the solve, and ModelOpt's own AutoQuantize placement at the new budget (the KLD candidate)
+    assert wd.plan(name) == {"solve_placement": 1, "autoquantize_placement": 1}
     scores_before = sorted(p.name for p in (wd.root / "results" / "score_sensitivity").iterdir())
     # the placement first (the checkpoint's path is known once it is solved), then its checkpoint
     ran = _rules_run(wd.snakemake(wd.paths(name)["placement"]["path"], "--configfile", name))
@@ -160,8 +161,9 @@ def test_budget_change_reruns_only_the_solve_and_what_follows(built_workdir):
     paths = wd.paths(name)
     placement = json.loads((_dir(wd, paths, "placement") / "placement.json").read_text())
     assert bits_of({int(k): v for k, v in placement["layers"].items()}) <= 5.0
-    # this budget's KLD runs (and what follows them) were not asked for
+    # this budget's KLD runs (and what follows them) were not asked for, nor ModelOpt's placement at it
     kld = ("kld/", "gate/", "kld_report", "kld_verdict", "verify", "release")
+    kld += ("autoquantize", "candidate/modelopt-autoquantize")
     assert all(row["done"] for name, row in paths.items() if not name.startswith(kld))
     assert wd.plan() == {}  # the default budget's placement and checkpoint are still there
 
@@ -191,7 +193,16 @@ def test_adding_a_candidate_format_adds_its_window_and_rescores(built_workdir, t
     for name in moved:
         shutil.move(_dir(wd, paths, name), parked / paths[name]["key"])
     try:
-        assert wd.plan() == {"quantize_layer": 1, "score_sensitivity": 2, "solve_placement": 1}
+        # and ModelOpt's AutoQuantize placement (FP8 on 3 layers, known: its stage reads no layer results):
+        # its export waits for the FP8 window again, then its runs and gates
+        assert wd.plan() == {
+            "quantize_layer": 1,
+            "score_sensitivity": 2,
+            "solve_placement": 1,
+            "export_checkpoint": 1,
+            "run_kld": 2,
+            "gate_kld": 2,
+        }
     finally:  # the session's other tests use this workdir's default results
         for name in moved:
             shutil.move(parked / paths[name]["key"], _dir(wd, paths, name))

@@ -125,12 +125,19 @@ def test_fresh_processes_are_bit_identical_and_the_self_check_is_exactly_zero(vl
         assert kl.shape == (PROMPT_TOKENS - 1,) and torch.count_nonzero(kl) == 0
     aggregate = read_json(wd.root / paths["gate/bf16/bfloat16"]["path"] / "aggregate.json")
     assert aggregate["aggregate"]["identical_runs"] is True
+    # the evaluation suite on vLLM: its reference captured twice, each a fresh vLLM process -- the runtime
+    # noise floor, measured (0 on this deterministic CPU build); the self-check exactly 0 on every window
+    suite = read_json(wd.root / paths["suite_reference"]["path"] / "reference.json")
+    assert suite["captures"] == 2 and suite["engine"]["engine"] == "vllm"
+    assert suite["noise_floor"] == 0.0 and suite["positions"] == 24 * 255
+    assert aggregate["protocol"] == "suite" and aggregate["suite"]["mean"]["mean"] == 0.0
+    assert aggregate["suite"]["noise_floor"] == 0.0 and aggregate["suite"]["aggregate"]["identical_runs"]
     assert read_json(wd.root / paths["kld_verdict"]["path"] / "verdict.json")["passed"] is True
 
 
 def test_logits_agree_with_the_hf_engine(vllm_run):
+    from mixquant.kld.capture import load_windows
     from mixquant.kld.engines import open_engine
-    from mixquant.kld.run import _prompt_ids
     from mixquant.kld.settings import EngineSettings
     from mixquant.kld.stats import kld_statistics
     from safetensors.torch import load_file
@@ -139,7 +146,7 @@ def test_logits_agree_with_the_hf_engine(vllm_run):
     wd, _, paths = vllm_run
     model_dir = wd.root / "models" / "qwen3_moe"
     vllm = load_file(str(wd.root / paths["reference_logits"]["path"] / "logits.safetensors"))["logits"]
-    ids = _prompt_ids(wd.root / paths["prompt"]["path"])
+    ids = load_windows(wd.root / paths["prompt"]["path"]).ids[0]
     engine = open_engine(model_dir, EngineSettings(engine="hf", device="cpu", threads=1))
     try:
         hf = engine.prompt_logits(ids)
@@ -174,7 +181,7 @@ def test_prompt_logprobs_agree_with_the_hidden_state_logits(vllm_run, tmp_path):
     """vLLM's own full-vocabulary path (prompt_logprobs=-1) against the hidden-state capture + BF16 lm_head,
     on the first 64 prompt tokens (prompt_logprobs costs ~14 s per 255 positions here)."""
     from mixquant.calibration.tokens import save_token_ids
-    from mixquant.kld.run import LOGITS_FILE, engine_process
+    from mixquant.kld.run import LOGITS_FILE, PASS_JSON, engine_process
     from safetensors.torch import load_file
 
     wd, _, paths = vllm_run
@@ -193,10 +200,17 @@ def test_prompt_logprobs_agree_with_the_hidden_state_logits(vllm_run, tmp_path):
     }
     scratch = tmp_path / "out"
     scratch.mkdir()
-    task = {"task": "logits", "model": str(wd.root / "models" / "qwen3_moe"), "prompt": str(prompt)}
-    engine_process({**task, "kv_cache_dtype": "bfloat16"}, stage, settings, scratch, "logprobs")
-    logprobs = load_file(str(scratch / LOGITS_FILE))["logits"]
-    assert read_json(scratch / "engine.json")["method"] == "prompt_logprobs"
+    task = {
+        "windows": str(prompt),
+        "out": str(tmp_path / "ref"),
+        "reference": None,
+        "form": "full",
+        "top_k": None,
+    }
+    spec = {"model": str(wd.root / "models" / "qwen3_moe"), "kv_cache_dtype": "bfloat16", "tasks": [task]}
+    engine_process({**spec, "settings": stage}, stage, settings, scratch, "logprobs")
+    logprobs = load_file(str(tmp_path / "ref" / LOGITS_FILE))["logits"]
+    assert read_json(scratch / PASS_JSON)["engine"]["method"] == "prompt_logprobs"
     difference = (torch.log_softmax(hidden.double(), -1) - logprobs.double()).abs().max()
     print(f"prompt_logprobs vs hidden states + lm_head: max |delta log p| {float(difference):.4g}")
     assert difference <= 0.0625  # a BF16 rounding step of the logits at this model's logit sizes
@@ -215,11 +229,15 @@ def test_an_engine_whose_packages_differ_from_its_key_stops_with_one_line(vllm_r
         "engine": preimage["config"]["engine"],
         "software": {"deployment": "venv", "python": VLLM_PYTHON, "where": "software.vllm_python"},
     }
-    task = {"task": "logits", "model": str(wd.root / "models" / "qwen3_moe"), "kv_cache_dtype": "bfloat16"}
+    task = {
+        "windows": str(wd.root / paths["prompt"]["path"]),
+        "out": str(tmp_path / "ref"),
+        "reference": None,
+    }
+    task.update(form="full", top_k=None)
+    spec = {"model": str(wd.root / "models" / "qwen3_moe"), "kv_cache_dtype": "bfloat16", "tasks": [task]}
     with pytest.raises(KldRunError) as error:
-        engine_process(
-            {**task, "prompt": str(wd.root / paths["prompt"]["path"])}, stage, wrong, tmp_path, "ref"
-        )
+        engine_process({**spec, "settings": stage}, stage, wrong, tmp_path, "ref")
     line = str(error.value)
     assert "\n" not in line
     assert "transformers 5.19.0 here, but this job's key names transformers 5.24.0" in line, line

@@ -34,11 +34,13 @@ def engine_gpus(cfg: MixquantConfig, stage: str) -> int:
 
 def job_shape(art: Artifact) -> dict[str, Any]:
     """The cost-model arguments of one job: a quantize_layer window's format and layer count, a score
-    pass's sequence count."""
+    pass's sequence count, whether a reference_logits job is the evaluation suite's."""
     settings = art.settings or {}
     if art.stage == "score_sensitivity":
         first, stop = settings["sequences"]
         return {"sequences": int(stop) - int(first)}
+    if art.stage == "reference_logits":
+        return {"suite": "reference_form" in settings}
     layers = settings.get("layers")
     return {"fmt": settings.get("format"), "layers": len(layers) if isinstance(layers, list) else 1}
 
@@ -200,6 +202,9 @@ def estimate_plan(
         cpus = _cpus_allocated(job) if job else cpus_by_stage.get(art.stage)
         cpus_by_stage.setdefault(art.stage, cpus)
         cost = stage_cost(cfg, geometry, art.stage, gpus=gpus, **job_shape(art))
+        for line in cost.warnings:
+            if line not in warnings:
+                warnings.append(line)
         rows.setdefault((art.stage, later), StageEstimate(art.stage, after_solve=later)).add(cost, cpus)
         costs[art.key] = cost
 

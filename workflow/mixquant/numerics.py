@@ -16,10 +16,12 @@ stages whose numbers it decides (:func:`key_identity`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -343,3 +345,18 @@ def main_module_guard() -> None:
     """Apply the requested profile's environment if torch is not imported yet (library entry points)."""
     if "torch" not in sys.modules:
         apply_environment(*requested())
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the duration (None or 0: unchanged), then restored: a
+    stage that runs with the job's own thread count inside a process that may hold another."""
+    import torch  # lazy: planning imports this module, torch-free
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mixquant.calibration.disjoint import EvalOverlapError, check_disjoint, read_jsonl
 from mixquant.config import ConfigError, MixquantConfig, parse_layer_ranges
 from mixquant.facts import geometry_missing_line, moe_layers, placement_pins, planning_model_config
 from mixquant.graph import Artifact, made_from, resolve_artifacts
@@ -47,6 +48,36 @@ def check_plan(cfg: MixquantConfig, source: str = "config", root: Path = Path(".
     _check_context(cfg, source, model_config)
     if cfg.placement.source == "search":
         _check_budget(cfg, source, model_config)
+    _check_eval_disjoint(cfg, source, root)
+
+
+def _check_eval_disjoint(cfg: MixquantConfig, source: str, root: Path) -> None:
+    """The evaluation suite's local documents share no content with a local calibration dataset (hub
+    sources are checked by sample_eval, which downloads them)."""
+    suite = cfg.kld.eval
+    if suite is None or cfg.dataset.source != "local":
+        return
+    local = [root / d.local.path for d in suite.domains if d.local is not None]
+    if not (root / cfg.dataset.local.path).is_file() or not all(path.is_file() for path in local):
+        return  # a missing file stops its stage with one line naming it
+    try:
+        domains = {
+            domain.name: (read_jsonl(root / domain.local.path), domain.text_field, domain.messages_field)
+            for domain in suite.domains
+            if domain.local is not None
+        }
+        if not domains:
+            return
+        check_disjoint(
+            domains,
+            (read_jsonl(root / cfg.dataset.local.path), cfg.dataset.messages_field),
+            where={d.name: d.local.path for d in suite.domains if d.local is not None},
+            calibration_name=f"the calibration dataset {cfg.dataset.local.path}",
+        )
+    except EvalOverlapError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    except ValueError as error:
+        raise ConfigError(f"{source}: kld.eval: {error}") from None
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -66,6 +97,9 @@ def config_paths(cfg: MixquantConfig) -> Iterator[tuple[str, str]]:
     for index, candidate in enumerate(cfg.kld.candidates):
         if candidate.local is not None:
             yield f"kld.candidates.{index}.local.path", candidate.local.path
+    for index, domain in enumerate(cfg.kld.eval.domains if cfg.kld.eval is not None else []):
+        if domain.local is not None:
+            yield f"kld.eval.domains.{index}.local.path", domain.local.path
 
 
 def outside_workdir(value: str, root: Path = Path(".")) -> str | None:
@@ -265,6 +299,12 @@ def unpinned_sources(cfg: MixquantConfig) -> list[str]:
         keys += [
             f"dataset.hub[{i}].revision" for i, m in enumerate(cfg.dataset.hub or []) if m.revision is None
         ]
+    domains = cfg.kld.eval.domains if cfg.kld.eval is not None else []
+    keys += [
+        f"kld.eval.domains[{i}].hub.revision"
+        for i, domain in enumerate(domains)
+        if domain.hub is not None and domain.hub.revision is None
+    ]
     return keys
 
 

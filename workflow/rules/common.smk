@@ -187,13 +187,17 @@ _PLACED = {}
 
 
 def placed_artifacts():
-    """The graph including the rebuild and the export of the placement.
+    """The graph including the rebuild and the export of the placement (and of ModelOpt's autoquantize
+    placement, when a candidate asks for it).
 
     With a search, that needs solve_placement's result: the checkpoint's .get() raises until it is
     built, and Snakemake re-evaluates the DAG after it (then placement.json is read)."""
-    if "checkpoint" in ART:
+    if "checkpoint" in ART and ("autoquantize" not in ART or ART["autoquantize"].done):
         return ART
-    checkpoints.solve_placement.get()
+    if "checkpoint" not in ART:
+        checkpoints.solve_placement.get()
+    if "autoquantize" in ART:
+        checkpoints.autoquantize_placement.get()
     if "graph" not in _PLACED:
         _PLACED["graph"] = resolve_artifacts(
             CFG, hash_cache_dir=HASH_CACHE, deployment=DEPLOYMENT

@@ -63,3 +63,30 @@ if CFG.placement.source == "search":
             stage=stage_params("placement"),
         script:
             "../scripts/run_stage.py"
+
+
+if "autoquantize" in ART:
+
+    checkpoint autoquantize_placement:
+        input:
+            model=artifact_path("model"),
+            calibration=artifact_path("calibration"),
+        output:
+            placement=directory(artifact_path("autoquantize")),
+        log:
+            stage_log("autoquantize"),
+        benchmark:
+            stage_benchmark("autoquantize")
+        conda:
+            conda_env("autoquantize_placement")
+        threads: CFG.numerics.threads
+        resources:
+            mem_mb=artifact_request("autoquantize", "mem_mb"),
+            disk_mb=artifact_request("autoquantize", "disk_mb"),
+            runtime=artifact_request("autoquantize", "runtime"),
+            gpu=artifact_request("autoquantize", "gpu"),
+            nodes=artifact_request("autoquantize", "nodes"),
+        params:
+            stage=stage_params("autoquantize"),
+        script:
+            "../scripts/run_stage.py"

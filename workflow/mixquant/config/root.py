@@ -23,8 +23,9 @@ class MixquantConfig(Strict):
     allow_outside_workdir: bool = Field(
         default=False,
         description="Allow config paths (results_dir, model.local.path, model.geometry, dataset.local.path, "
-        "prompt.token_ids_file, kld.candidates[].local.path) outside the working directory: an absolute "
-        "path elsewhere, '..' climbing out, or a symlink below a top-level entry leading out. Off: "
+        "prompt.token_ids_file, kld.candidates[].local.path, kld.eval.domains[].local.path) outside the "
+        "working directory: an absolute path elsewhere, '..' climbing out, or a symlink below a top-level "
+        "entry leading out. Off: "
         "planning refuses such a path with one line naming the key.",
     )
     model: ModelSection = Field(default_factory=ModelSection, description="The BF16 source model.")

@@ -34,6 +34,8 @@ class Hardware:
     gpu_memory_bytes: int = GPU_MEMORY_BYTES  # B200 (HGX): 179 GiB HBM3e
     gpu_bf16_flops: float = 2.25e15  # B200 (HGX, 1000 W) dense BF16 tensor-core peak per GPU
     gpu_mfu: float = 0.2  # assumption: eager (no CUDA graphs) prefill of one prompt
+    gpu_fp32_flops: float = 7.5e13  # assumption: B200 FP32 (non-tensor-core) rate; the off-engine lm_head
+    gpu_memory_bytes_per_s: float = 8e12  # B200 HBM3e bandwidth: the KL statistics are memory-bound there
     vllm_gpu_memory_utilization: float = 0.9  # vLLM's default; vllm_llm_kwargs does not set it
     vllm_worker_host_bytes: int = 8 * GIB  # assumption: host RSS of one vLLM worker (torch, CUDA, NCCL)
     storage_read_bytes_per_s: float = 2e9  # assumption: shared filesystem, per job
@@ -67,6 +69,16 @@ class Hardware:
     # assumption: datasets' JSON/Parquet -> Arrow conversion of a hub split works in record batches
     arrow_conversion_bytes: int = 2 * GIB
     tokenize_tokens_per_s: float = 2e5  # assumption: apply_chat_template + fast tokenizer, one core
+    # measured (benchmarks/bench_suite_costs.py: the real code at the real 100,352 vocabulary, the portable
+    # profile, one thread, CPU time): the KLD statistics per logit, and the vLLM engine's off-engine fp32
+    # lm_head (F.linear under MKL_CBWR=COMPATIBLE, about a sixth of the bf16 forward's rate above)
+    cpu_kl_logits_per_s_per_core: float = 7.8e7  # kld_statistics against a full reference
+    cpu_topk_reduce_logits_per_s_per_core: float = 2.45e7  # reduce_reference: recording the top-k form
+    cpu_topk_kl_logits_per_s_per_core: float = 3.07e7  # kld_statistics_topk against the top-k form
+    cpu_fp32_gemm_flops_per_core: float = 3.7e10
+    # assumption: dataset rows decoded to Python objects and their text whitespace-normalised, one core
+    # (sample_eval's disjointness check visits every row of the calibration dataset and of each domain)
+    python_text_bytes_per_s: float = 5e7
     # measured: the toy's training step on the 2-core dev VM (320 steps in 198 s, 2 threads, idle machine):
     # a tiny model's step is dispatch-bound, so the FLOP estimate alone is ~8x short of it
     toy_step_s: float = 0.62

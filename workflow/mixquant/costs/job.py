@@ -27,6 +27,7 @@ class StageCost:
     peak_host_bytes: int
     peak_gpu_bytes: int  # per GPU, 0 on CPU jobs
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # what a plan prints as a warning (a choice of the config that costs much)
 
     @property
     def gpu_hours(self) -> float:
@@ -49,7 +50,9 @@ class CostJob:
     layers: int = 1  # MoE layers in a quantize_layer window
     sequences: int | None = None  # calibration sequences of a score_sensitivity pass
     candidate: str | None = None  # run_kld's candidate
+    suite: bool = False  # reference_logits: the evaluation suite's reference (kld.eval), not the prompt's
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     # a layer-streamed pass: its reads (streamed_read bytes) overlap its compute (streamed_seconds)
     streamed_s: float = 0.0
     streamed_read: float = 0
@@ -83,6 +86,23 @@ class CostJob:
     def logits_bytes(self) -> int:
         return (self.prompt_len - 1) * self.geometry.vocab_size * 4
 
+    @property
+    def suite_windows(self) -> int:
+        """Windows of the evaluation suite (0 without ``kld.eval``)."""
+        suite = self.cfg.kld.eval
+        return 0 if suite is None else sum(domain.windows for domain in suite.domains)
+
+    @property
+    def suite_tokens(self) -> int:
+        suite = self.cfg.kld.eval
+        return 0 if suite is None else self.suite_windows * suite.window_tokens
+
+    @property
+    def suite_positions(self) -> int:
+        """Scored positions of the suite: T-1 per window."""
+        suite = self.cfg.kld.eval
+        return 0 if suite is None else self.suite_windows * (suite.window_tokens - 1)
+
 
 def cost_function(stage: str) -> Callable[[CostJob], None]:
     """The stage's cost function (the registry's ``cost``, "module:function")."""
@@ -100,6 +120,7 @@ def stage_cost(
     layers: int = 1,
     sequences: int | None = None,
     candidate: str | None = None,
+    suite: bool = False,
     hardware: Hardware = B200,
 ) -> StageCost:
     """Resources of one job of ``stage`` (formulas: README "Cluster cost model").
@@ -107,7 +128,8 @@ def stage_cost(
     ``gpus``: GPUs the job gets (0: a CPU job; a stage computing on a CUDA numerics.device uses one);
     ``fmt``: quantize_layer format; ``layers``: MoE layers in a quantize_layer window; ``sequences``:
     calibration sequences of a score_sensitivity pass (default: the planned macro-batch);
-    ``candidate``: run_kld's candidate name (default: the first). A run_kld job does all ``kld.runs``
+    ``candidate``: run_kld's candidate name (default: the first); ``suite``: reference_logits of the
+    evaluation suite (``kld.eval``) rather than of the pinned prompt. A run_kld job does all ``kld.runs``
     runs.
     """
     serves_model = stage_spec(stage).serves_model  # an unknown stage is refused here
@@ -131,6 +153,7 @@ def stage_cost(
         layers=layers,
         sequences=sequences,
         candidate=candidate,
+        suite=suite,
         notes=notes,
         host=hw.process_base_bytes,
         startup=hw.process_startup_s,
@@ -169,4 +192,5 @@ def _finish(job: CostJob, serves_model: bool) -> StageCost:
         int(job.host),
         int(gpu_bytes),
         tuple(job.notes),
+        tuple(job.warnings),
     )

@@ -133,6 +133,43 @@ def solve_placement(job: CostJob) -> None:
     job.host += 512 * MIB
 
 
+def autoquantize_placement(job: CostJob) -> None:
+    """ModelOpt's ``auto_quantize(method="kl_div")`` on the whole model held on one device: per calibration
+    batch, one max-calibration forward per searched format (no-quant is not calibrated), then one no-quant
+    reference forward and one full forward per (MoE layer, format), each fake-quantizing that layer's routed
+    experts anew (ModelOpt's dynamic NVFP4; no suffix reuse, unlike score_sensitivity)."""
+    cfg, geometry, hw, calib = job.cfg, job.geometry, job.hw, job.cfg.calibration
+    batch_size = cfg.placement.search.batch_size
+    formats = [fmt for fmt in cfg.placement.formats if fmt != "bf16"]
+    layers = len(geometry.moe_layers)
+    tokens = calib.num_samples * calib.seq_len
+    forwards = len(formats) + 1 + layers * len(formats)  # per batch: calibration, reference, scores
+    flops = forwards * geometry.forward_flops(calib.seq_len, calib.num_samples)
+    flops += (1 + layers * len(formats)) * 20 * tokens * geometry.vocab_size  # log-softmax and the KL sums
+    job.compute_s = flops / job.device_flops
+    batches = -(-calib.num_samples // batch_size)
+    fake_quant = layers * len(formats) * batches * geometry.routed_params_per_layer
+    if job.on_gpu:
+        job.compute_s += fake_quant / hw.gpu_quantize_elements_per_s
+    else:
+        job.compute_s += fake_quant / (hw.cpu_quantize_elements_per_s_per_core["nvfp4_w4a16:max"] * job.cpus)
+    job.read = job.model_bytes + tokens * 4
+    held = (
+        job.model_bytes
+        + 4 * geometry.routed_bytes_per_layer  # one layer's fake-quantized experts and fp32 temporaries
+        + batch_activation_bytes(geometry, batch_size, calib.seq_len)
+        + batch_size * calib.seq_len * geometry.vocab_size * (2 * 2 + 4 * 3)  # logits; log_p, log_q, KL
+    )
+    if job.on_gpu:
+        job.gpu_bytes = held
+        job.host += job.model_bytes  # from_pretrained loads on the host before the move
+    else:
+        job.host += held
+    # placement.json, and the audit: scores, costs, the constraint's excluded module names
+    job.written = 2000 * layers + 200 * geometry.num_hidden_layers * 12 + 4000
+    job.notes.append(f"whole model on one device, {forwards} forwards per batch of {batch_size}")
+
+
 def export_checkpoint(job: CostJob) -> None:
     cfg, geometry = job.cfg, job.geometry
     counts = placement_counts(cfg, geometry)

@@ -27,13 +27,22 @@ def rule_resources(
     fmt: str | None = None,
     layers: int = 1,
     sequences: int | None = None,
+    suite: bool = False,
     hardware: Hardware = B200,
 ) -> dict[str, int]:
     """SLURM request of one job: ``mem_mb`` = peak host x 1.25 rounded up to whole GiB (at least 2000),
     ``runtime`` = runtime x 2 in minutes rounded up to 10 (at least 10), ``disk_mb`` (:func:`disk_mb`),
     ``gpu`` when the job has GPUs."""
     cost = stage_cost(
-        cfg, geometry, stage, gpus=gpus, fmt=fmt, layers=layers, sequences=sequences, hardware=hardware
+        cfg,
+        geometry,
+        stage,
+        gpus=gpus,
+        fmt=fmt,
+        layers=layers,
+        sequences=sequences,
+        suite=suite,
+        hardware=hardware,
     )
     mem_mb = max(2000, math.ceil(cost.peak_host_bytes * 1.25 / GIB) * 1024)
     runtime = max(10, math.ceil(cost.runtime_s * 2 / 60 / 10) * 10)

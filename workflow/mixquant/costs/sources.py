@@ -1,8 +1,12 @@
 """Cost functions of the source stages: the model (fetched, dequantized or the toy built), the calibration
-tokens and the pinned prompt."""
+tokens, the pinned prompt and the evaluation suite's windows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mixquant.config.kld import EvalDomain
+from mixquant.costs.hardware import Hardware
 from mixquant.costs.job import CostJob
 from mixquant.costs.sizes import dataset_split_bytes, fp8_source_bytes
 from mixquant.facts import source_fp8_block
@@ -77,3 +81,49 @@ def pin_prompt(job: CostJob) -> None:
     splits = 0 if job.cfg.prompt.source == "token_ids_file" else 1
     job.written = job.prompt_len * 4
     _dataset_stage(job, splits, job.prompt_len)
+
+
+# sample_eval's draw and check
+# assumption: a document is tokenized whole before its first T tokens are kept, and the documents shorter
+# than T are tokenized and skipped: four document tokens per window token
+DRAWN_TOKENS_PER_WINDOW_TOKEN = 4
+# assumption: the disjointness check's set of unit SHA-256 hex digests (~200 B a set entry) per byte of
+# text, at a unit (a message, a document) of ~1 kB
+UNIT_SET_BYTES_PER_TEXT_BYTE = 0.2
+EVAL_JSON_BYTES_PER_WINDOW = 200  # eval.json: a window's domain, document index and document SHA-256
+
+
+def _domain_bytes(domain: EvalDomain, hw: Hardware) -> int:
+    """Bytes of one domain's documents as loaded: a local JSONL's size when it is there (relative to the
+    working directory), else the assumed hub split size."""
+    if domain.local is not None and Path(domain.local.path).is_file():
+        return Path(domain.local.path).stat().st_size
+    return hw.hub_dataset_split_bytes
+
+
+def sample_eval(job: CostJob) -> None:
+    """The suite's windows drawn, after every document of every domain and every row of the calibration
+    dataset was checked for shared content (mixquant.calibration.eval_suite): each domain's rows are held
+    as Python objects (a hub split downloaded whole), the calibration dataset as sample_calibration reads
+    it (hub: memory-mapped, rows decoded as visited), every content unit hashed into one set."""
+    cfg, hw, suite = job.cfg, job.hw, job.cfg.kld.eval
+    if suite is None:
+        raise ValueError("sample_eval: needs kld.eval")
+    domains = [_domain_bytes(domain, hw) for domain in suite.domains]
+    hub = sum(size for size, domain in zip(domains, suite.domains, strict=True) if domain.hub is not None)
+    splits = sum(len(m.splits) for m in cfg.dataset.hub) if cfg.dataset.source == "hub" else 1
+    calibration = splits * dataset_split_bytes(cfg, hw)
+    job.download = hub + (calibration if cfg.dataset.source == "hub" else 0)
+    job.scratch = job.download  # the Arrow cache of the downloaded splits (a temporary directory)
+    text = sum(domains) + calibration
+    job.read = text
+    job.hashed = text  # every content unit's SHA-256
+    job.host += int(sum(domains) * hw.python_object_factor)
+    if cfg.dataset.source == "hub":
+        job.host += hw.arrow_conversion_bytes
+    else:
+        job.host += int(calibration * hw.python_object_factor)
+    job.host += int(text * UNIT_SET_BYTES_PER_TEXT_BYTE)
+    drawn = DRAWN_TOKENS_PER_WINDOW_TOKEN * job.suite_tokens
+    job.compute_s = drawn / hw.tokenize_tokens_per_s + text / hw.python_text_bytes_per_s
+    job.written = job.suite_tokens * 4 + job.suite_windows * EVAL_JSON_BYTES_PER_WINDOW + 10_000

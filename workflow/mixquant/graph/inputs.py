@@ -139,3 +139,29 @@ def add_prompt(graph: GraphBuilder) -> None:
         {"prompt": prompt, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
         {"model": "model"},
     )
+
+
+def add_eval(graph: GraphBuilder) -> None:
+    """sample_eval: the evaluation suite's windows (``kld.eval``), checked disjoint from the calibration data.
+
+    Each domain enters the key by what pins it (a file's SHA-256, a hub revision), with its field, its window
+    count, the window length and the seed; the chat dataset by its identity (the disjointness check reads it).
+    """
+    cfg = graph.cfg
+    suite = cfg.kld.eval
+    assert suite is not None
+    tokenizer_slice, tokenizer_settings = tokenizer_identity(cfg)
+    dataset_slice, dataset_settings = dataset_identity(cfg)
+    domains = [domain.model_dump(mode="json") for domain in suite.domains]
+    identities = [
+        {**domain, "local": {"sha256": domain["local"]["sha256"]} if domain["local"] else None}
+        for domain in domains
+    ]
+    draw = {"window_tokens": suite.window_tokens, "seed": suite.seed}
+    graph.add(
+        "eval",
+        "sample_eval",
+        {"eval": {**draw, "domains": identities}, "dataset": dataset_slice, "tokenizer": tokenizer_slice},
+        {"eval": {**draw, "domains": domains}, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
+        {"model": "model"},
+    )

@@ -26,12 +26,20 @@ def engine_settings(cfg: MixquantConfig) -> dict[str, Any]:
     }
 
 
-def add_candidate(graph: GraphBuilder, candidate: Any, placed: bool) -> str | None:
-    """The artifact holding a KLD candidate's checkpoint (None until the placement is known)."""
+def add_candidate(
+    graph: GraphBuilder, candidate: Any, placed: bool, autoquantized: dict[int, str] | None = None
+) -> str | None:
+    """The artifact holding a KLD candidate's checkpoint (None until its placement is known)."""
     cfg = graph.cfg
     name = f"candidate/{candidate.name}"
     if candidate.source == "searched":
         return "checkpoint" if placed else None
+    if candidate.source == "modelopt_autoquantize":
+        if autoquantized is None:
+            return None
+        add_rebuild(graph, autoquantized)
+        add_export(graph, autoquantized, name)
+        return name
     if candidate.source == "bf16":
         return "model"
     if candidate.source in ("uniform", "explicit"):
@@ -47,7 +55,28 @@ def add_candidate(graph: GraphBuilder, candidate: Any, placed: bool) -> str | No
     return name
 
 
-def add_kld(graph: GraphBuilder, placed: bool) -> None:
+def add_autoquantize(graph: GraphBuilder) -> None:
+    """autoquantize_placement: ModelOpt's own auto_quantize (kl_div) placement of the routed experts at the
+    search's budget and cost model, on the calibration tokens (a ``modelopt_autoquantize`` candidate)."""
+    cfg = graph.cfg
+    settings = {
+        "moe_layers": moe_layers(cfg),
+        "formats": list(cfg.placement.formats),
+        "target_effective_bits": cfg.placement.target_effective_bits,
+        "cost_model": cfg.placement.cost_model,
+        "method": "kl_div",
+        "batch_size": cfg.placement.search.batch_size,
+    }
+    graph.add(
+        "autoquantize",
+        "autoquantize_placement",
+        settings,
+        settings,
+        {"model": "model", "calibration": "calibration"},
+    )
+
+
+def add_kld(graph: GraphBuilder, placed: bool, autoquantized: dict[int, str] | None = None) -> None:
     """Reference logits; per (candidate, KV dtype) a run_kld job doing all ``kld.runs`` runs and a gate;
     then the report and the verdict once every candidate is known.
 
@@ -67,7 +96,19 @@ def add_kld(graph: GraphBuilder, placed: bool) -> None:
         {"engine": engine, "kv_cache_dtype": "bfloat16"},
         {"model": "model", "prompt": "prompt"},
     )
-    sources = {c.name: add_candidate(graph, c, placed) for c in kld.candidates}
+    suite = kld.eval
+    if suite is not None:
+        reference = {
+            "engine": engine,
+            "kv_cache_dtype": "bfloat16",
+            "reference_form": suite.reference,
+            "top_k": suite.top_k if suite.reference == "topk" else None,
+            "captures": suite.reference_captures,
+        }
+        graph.add(
+            "suite_reference", "reference_logits", reference, reference, {"model": "model", "prompt": "eval"}
+        )
+    sources = {c.name: add_candidate(graph, c, placed, autoquantized) for c in kld.candidates}
     for candidate in kld.candidates:
         if sources[candidate.name] is None:
             continue
@@ -78,8 +119,11 @@ def add_kld(graph: GraphBuilder, placed: bool) -> None:
                 "prompt": "prompt",
                 "candidate": sources[candidate.name],
             }
+            if suite is not None:
+                upstream.update(suite_reference="suite_reference", suite="eval")
             graph.add(f"kld/{candidate.name}/{kv}", "run_kld", runs_slice, runs_slice, upstream)
     gated = kld.gates.gated or [c.name for c in kld.candidates if c.name != kld.baseline]
+    bf16 = next((c.name for c in kld.candidates if c.source == "bf16"), None)
     for candidate in kld.candidates:
         baseline = kld.baseline if kld.baseline not in (None, candidate.name) else None
         if sources[candidate.name] is None or (baseline is not None and sources[baseline] is None):
@@ -88,6 +132,11 @@ def add_kld(graph: GraphBuilder, placed: bool) -> None:
             upstream = {"runs": f"kld/{candidate.name}/{kv}"}
             if baseline is not None:
                 upstream["baseline_runs"] = f"kld/{baseline}/{kv}"
+            if suite is not None:
+                upstream.update(suite="eval", suite_reference="suite_reference")
+                floor = bf16 is not None and sources[bf16] is not None and "bfloat16" in kld.kv_cache_dtypes
+                if floor and candidate.name != bf16:
+                    upstream["floor_runs"] = f"kld/{bf16}/bfloat16"  # the engine floor
             gates = kld.gates.model_dump(mode="json")
             gates.pop("gated")
             gate_slice = {
@@ -113,6 +162,11 @@ def add_kld(graph: GraphBuilder, placed: bool) -> None:
             "candidates": [c.name for c in kld.candidates],
             "kv_cache_dtypes": list(kld.kv_cache_dtypes),
             "baseline": kld.baseline,
+            "bf16_candidate": bf16,
+            "sources": {c.name: c.source for c in kld.candidates},
+            "gates": {"bootstrap_samples": kld.gates.bootstrap_samples, "confidence": kld.gates.confidence},
         }
+        if suite is not None:
+            gates_up["suite"] = "eval"
         graph.add("kld_report", "kld_report", report_slice, report_slice, gates_up)
         graph.add("kld_verdict", "check_kld_gates", report_slice, report_slice, {"report": "kld_report"})

@@ -58,6 +58,7 @@ def add_release(graph: GraphBuilder, placement: dict[int, str]) -> None:
         "prompt": "prompt",
         "reference": "reference_logits",
         "verdict": "kld_verdict",
+        "kld_report": "kld_report",
     }
     if "placement" in graph.artifacts:
         upstream["placement"] = "placement"

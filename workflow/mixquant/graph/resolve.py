@@ -12,8 +12,8 @@ from mixquant.config import MixquantConfig
 from mixquant.export.placement import load_placement
 from mixquant.facts import placement_from_config
 from mixquant.graph.artifact import Artifact, GraphBuilder, deployment_of
-from mixquant.graph.inputs import add_calibration, add_model, add_prompt
-from mixquant.graph.kld import add_kld
+from mixquant.graph.inputs import add_calibration, add_eval, add_model, add_prompt
+from mixquant.graph.kld import add_autoquantize, add_kld
 from mixquant.graph.rebuild import add_activations, add_export, add_rebuild, add_search
 from mixquant.graph.release import add_release, add_verify
 from mixquant.search.run import PLACEMENT_FILE
@@ -24,12 +24,15 @@ def resolve_artifacts(
     hash_cache_dir: Path | None = None,
     placement: dict[int, str] | None = None,
     deployment: str | None = None,
+    autoquantized: dict[int, str] | None = None,
 ) -> dict[str, Artifact]:
     """{artifact name: Artifact} for every stage the config asks for, in dependency order.
 
     With ``placement.source: search`` the rebuild and the export depend on ``solve_placement``'s result:
     they are resolved from ``placement`` when given, else from the placement artifact's ``placement.json``
-    once it is built; before that the graph ends at the placement. ``deployment``: how Snakemake deploys
+    once it is built; before that the graph ends at the placement. A ``modelopt_autoquantize`` candidate
+    likewise waits for ModelOpt's placement (``autoquantized``, else the autoquantize artifact's
+    ``placement.json`` once built). ``deployment``: how Snakemake deploys
     the jobs ("conda" or "venv"; what ``software.deployment: auto`` follows, :func:`deployment_of`).
     """
     graph = GraphBuilder(cfg, hash_cache_dir, deployment_of(cfg, deployment))
@@ -46,7 +49,13 @@ def resolve_artifacts(
     if placement is not None:
         add_rebuild(graph, placement)
         add_export(graph, placement)
-    add_kld(graph, placement is not None)
+    if cfg.kld.eval is not None:
+        add_eval(graph)
+    if any(c.source == "modelopt_autoquantize" for c in cfg.kld.candidates):
+        add_autoquantize(graph)
+        if autoquantized is None and graph.artifacts["autoquantize"].done:
+            autoquantized = load_placement(graph.artifacts["autoquantize"].path / PLACEMENT_FILE)
+    add_kld(graph, placement is not None, autoquantized)
     if placement is not None:
         add_verify(graph)
         add_release(graph, placement)
@@ -66,7 +75,18 @@ def artifact_by_key(artifacts: dict[str, Artifact], key: str) -> Artifact:
 
 def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
     """Directories `rule all` asks for (checkpoint, verdict, verification, release once placed)."""
-    names = ("model", "calibration", "prompt", "placement", "checkpoint", "kld_verdict", "verify", "release")
+    names = (
+        "model",
+        "calibration",
+        "prompt",
+        "eval",
+        "placement",
+        "autoquantize",
+        "checkpoint",
+        "kld_verdict",
+        "verify",
+        "release",
+    )
     targets = [str(artifacts[name].path) for name in names if name in artifacts]
     # gates known before the placement (candidates that do not depend on it) can run early
     return targets + [str(a.path) for a in artifacts.values() if a.stage == "gate_kld"]

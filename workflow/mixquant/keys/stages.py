@@ -79,6 +79,9 @@ class StageSpec:
 
 
 _ENGINE_MODULES = (
+    "mixquant.kld.capture",
+    "mixquant.kld.stats",
+    "mixquant.kld.topk",
     "mixquant.kld.engines",
     "mixquant.kld.settings",
     "mixquant.kld.checkpoints",
@@ -163,6 +166,22 @@ STAGES: dict[str, StageSpec] = {
             ("transformers", "tokenizers", "datasets"),
             cost="mixquant.costs.sources:pin_prompt",
         ),
+        # The evaluation suite's windows, checked disjoint from the calibration data by content.
+        StageSpec(
+            "sample_eval",
+            "mixquant.calibration.eval_suite:run_sample_eval",
+            "eval",
+            (
+                "mixquant.calibration.eval_suite",
+                "mixquant.calibration.disjoint",
+                "mixquant.calibration.sample",
+                "mixquant.calibration.dataset",
+                "mixquant.calibration.tokens",
+                "mixquant.checkpoint.writer",
+            ),
+            ("transformers", "tokenizers", "datasets"),
+            cost="mixquant.costs.sources:sample_eval",
+        ),
         StageSpec(
             "collect_activation_stats",
             "mixquant.quantize.run:run_collect_activation_stats",
@@ -229,6 +248,26 @@ STAGES: dict[str, StageSpec] = {
             ("pulp", "matplotlib"),
             cost="mixquant.costs.rebuild:solve_placement",
         ),
+        # ModelOpt's own auto_quantize placement (the KLD gate's anchor): its search, calibration and fake
+        # quant decide it, at mixquant's budget.
+        StageSpec(
+            "autoquantize_placement",
+            "mixquant.search.autoquantize:run_autoquantize_placement",
+            "placement",
+            (
+                "mixquant.search.autoquantize",
+                "mixquant.search.reference",
+                "mixquant.search.groups",
+                "mixquant.search.score",
+                "mixquant.search.run",
+                "mixquant.calibration.tokens",
+                "mixquant.formats.cpu_fake_quant",
+            ),
+            ("torch", "transformers", "nvidia-modelopt", "safetensors"),
+            device="configured",
+            cost="mixquant.costs.rebuild:autoquantize_placement",
+            job_settings=("threads",),
+        ),
         # The checkpoint audit (inspect, predict) is part of the output, so its code is in the key.
         StageSpec(
             "export_checkpoint",
@@ -266,7 +305,7 @@ STAGES: dict[str, StageSpec] = {
             "run_kld",
             "mixquant.kld.run:run_kld",
             "runs",
-            tuple(sorted((*_ENGINE_MODULES, "mixquant.kld.stats"))),
+            _ENGINE_MODULES,
             _ENGINE_PACKAGES,
             env="engine",
             device="engine",
@@ -275,27 +314,39 @@ STAGES: dict[str, StageSpec] = {
         ),
         StageSpec(
             "gate_kld",
-            "mixquant.kld.run:run_gate_kld",
+            "mixquant.kld.gate:run_gate_kld",
             "gate",
-            ("mixquant.kld.report", "mixquant.kld.run", "mixquant.checkpoint.writer"),
+            (
+                "mixquant.kld.gate",
+                "mixquant.kld.report",
+                "mixquant.kld.suite_gates",
+                "mixquant.kld.windows",
+                "mixquant.checkpoint.writer",
+            ),
             ("torch",),
             cost="mixquant.costs.kld:gate_kld",
             job_settings=("threads",),
         ),
         StageSpec(
             "kld_report",
-            "mixquant.kld.run:run_kld_report",
+            "mixquant.kld.compare:run_kld_report",
             "report",
-            ("mixquant.kld.report", "mixquant.kld.run"),
+            (
+                "mixquant.kld.compare",
+                "mixquant.kld.report",
+                "mixquant.kld.plots",
+                "mixquant.kld.suite_tables",
+                "mixquant.kld.windows",
+            ),
             ("pandas", "matplotlib"),
             cost="mixquant.costs.kld:kld_report",
             job_settings=("threads",),
         ),
         StageSpec(
             "check_kld_gates",
-            "mixquant.kld.run:run_check_kld_gates",
+            "mixquant.kld.gate:run_check_kld_gates",
             "verdict",
-            ("mixquant.kld.run",),
+            ("mixquant.kld.gate",),
             (),
             cost="mixquant.costs.kld:check_kld_gates",
             job_settings=("threads",),
@@ -324,6 +375,8 @@ STAGES: dict[str, StageSpec] = {
             (
                 "mixquant.release.bundle",
                 "mixquant.release.card",
+                "mixquant.release.card_kld",
+                "mixquant.kld.suite_tables",
                 "mixquant.release.serving",
                 "mixquant.release.recipe",
                 "mixquant.release.hashes",

@@ -19,7 +19,7 @@ from mixquant.model.attention import attention_kv_hook
 from mixquant.model.experts import amax_from_input_scale, fp8_expert_inputs
 from mixquant.model.families import architecture, experts_of
 from mixquant.model.streaming import StreamedModel, resolve_device
-from mixquant.numerics import fingerprint
+from mixquant.numerics import fingerprint, torch_threads
 
 __all__ = ["HfEngine", "fp8_kv_fake_quant"]
 
@@ -81,18 +81,6 @@ def _fp8_input_amax(model_dir: Path, layer: int, who: str) -> dict[str, torch.Te
 
 
 @contextlib.contextmanager
-def _threads(threads: int | None) -> Iterator[None]:
-    old = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(int(threads))
-    try:
-        yield
-    finally:
-        if threads is not None:
-            torch.set_num_threads(old)
-
-
-@contextlib.contextmanager
 def fp8_kv_fake_quant(
     model: torch.nn.Module,
     static_amax: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
@@ -150,7 +138,7 @@ class HfEngine:
         self.fp8_activations = bool(fp8_activations)
         self.kv_calls: Counter = Counter()  # (layer, "k" | "v") -> quantized tensors, fp8 KV only
         try:
-            with _threads(settings.threads):
+            with torch_threads(settings.threads):
                 self.stream = StreamedModel(
                     self.model_dir, device=self.device, dequantize=self.checkpoint["kind"] != "bf16"
                 )
@@ -198,21 +186,33 @@ class HfEngine:
         return out
 
     def prompt_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return next(iter(self.windows_logits(prompt_ids(token_ids)[None])))
+
+    def windows_logits(self, windows: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Each window's float32 ``[T-1, V]`` logits, in order, from ``[W, T]`` token ids: every window
+        carried through one layer-streamed pass (each layer read and dequantized once, then called once per
+        window, as a single window's forward calls it: a window's logits do not depend on the others; FP8 KV
+        amax is per call, so per window). Holds every window's hidden states, not their logits."""
         if self.model is None:
             raise EngineError(f"{self.who}: engine is closed")
-        ids = prompt_ids(token_ids)
+        ids = torch.as_tensor(windows).to(torch.long).cpu()
+        if ids.dim() != 2 or ids.shape[1] < 2:
+            raise ValueError(f"windows must be [W, T] with T >= 2, got shape {tuple(ids.shape)}")
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_threads(self.settings.threads))
+            stack.enter_context(torch_threads(self.settings.threads))
             stack.enter_context(torch.no_grad())
             if self._kv_fp8:
                 stack.enter_context(fp8_kv_fake_quant(self.model, self._kv_static, self.kv_calls))
-            inputs = self.stream.layer_inputs(ids[None])
-            hidden = inputs.hidden
+            inputs = [self.stream.layer_inputs(window[None]) for window in ids]
+            hidden = [window.hidden for window in inputs]
             for i, layer in self.stream.stream():
                 with self._fp8_inputs(i):
-                    hidden = layer(hidden, **inputs.kwargs[i])
-            logits = self.stream.head(hidden)
-        return logits[0, :-1].float().cpu()
+                    for w, window in enumerate(inputs):
+                        hidden[w] = layer(hidden[w], **window.kwargs[i])
+            for w in range(len(hidden)):
+                logits = self.stream.head(hidden[w])
+                hidden[w] = None
+                yield logits[0, :-1].float().cpu()
 
     def info(self) -> dict[str, Any]:
         from importlib.metadata import PackageNotFoundError, version

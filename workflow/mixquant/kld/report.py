@@ -1,15 +1,15 @@
-"""KL gate reporting: aggregate repeated runs, paired bootstrap vs a baseline, gates, table and plots.
+"""KL gate reporting: aggregate repeated runs, paired bootstrap vs a baseline, gates and the comparison table.
 
 * :func:`aggregate_runs` -- the fresh-engine runs of one (candidate, KV-cache dtype): mean of the run
   means, their spread, whether the runs were bit-identical, and the mean per-position KL.
 * :func:`paired_improvement` -- KL reduction of a candidate vs a baseline over the same positions, with a
   paired percentile bootstrap CI (positions resampled with replacement, the same indices for both).
 * :func:`evaluate_gates` -- the configured thresholds, each one a named check.
-* :func:`comparison_table` / :func:`write_table` -- one row per (candidate, KV-cache dtype), as CSV and
-  Markdown (written by hand: no ``tabulate`` dependency).
-* :func:`plot_kl_cdf` / :func:`plot_per_position` -- PNGs on an Agg canvas (no pyplot, no global backend
-  switch), written atomically with no ``Software`` metadata: equal inputs give equal bytes for a given
-  matplotlib version.
+* :func:`comparison_table` / :func:`write_table` -- one row per (candidate, KV-cache dtype, protocol), as CSV
+  and Markdown (written by hand: no ``tabulate`` dependency).
+
+The plots are in :mod:`mixquant.kld.plots`; the suite's decomposition and per-domain tables in
+:mod:`mixquant.kld.suite_tables`.
 
 Percentiles (bootstrap CI) use the same linear-interpolation definition as
 :func:`mixquant.kld.stats.percentiles` (llama.cpp's, NumPy's default).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +30,6 @@ from mixquant.kld.stats import percentiles
 
 if TYPE_CHECKING:
     import pandas as pd
-    from matplotlib.figure import Figure
 
 __all__ = [
     "GATE_KEYS",
@@ -41,17 +39,16 @@ __all__ = [
     "comparison_table",
     "evaluate_gates",
     "paired_improvement",
-    "plot_kl_cdf",
-    "plot_per_position",
     "table_markdown",
     "write_table",
 ]
 
-DPI = 120
 GATE_KEYS = ("max_mean_kld", "max_run_spread", "min_improvement", "require_exact_zero")
+VERDICT_WORDS = ("pass", "fail", "repeat-required")  # a gate's words; the table shows them upper case
 TABLE_COLUMNS = (
     "candidate",
     "kv_cache_dtype",
+    "protocol",
     "runs",
     "mean_kld",
     "mean_kld_se",
@@ -272,12 +269,14 @@ def evaluate_gates(
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """One row per (candidate, KV-cache dtype), in the given order, columns :data:`TABLE_COLUMNS`.
+    """One row per (candidate, KV-cache dtype, protocol), in the given order, columns :data:`TABLE_COLUMNS`.
 
-    Each input row: ``{"candidate": str, "kv_cache_dtype": str, "aggregate": aggregate_runs(...),
-    "improvement": paired_improvement(...) | None, "gates": evaluate_gates(...) | None}``. Numbers are
-    raw: ``mean_kld_se`` is the mean over runs of the per-run SE, ``same_top_pct`` a percentage, ``rms_dp``
-    and ``reduction*`` fractions; ``verdict`` is "pass", "fail" or "n/a" (no gates). Missing values: NaN.
+    Each input row: ``{"candidate": str, "kv_cache_dtype": str, "protocol": "prompt" | "suite" (default
+    "prompt"), "aggregate": aggregate_runs(...), "improvement": paired_improvement(...) | None, "gates":
+    evaluate_gates(...) or a gate document's verdict | None}``. Numbers are raw: ``mean_kld_se`` is the mean
+    over runs of the per-run SE, ``same_top_pct`` a percentage, ``rms_dp`` and ``reduction*`` fractions;
+    ``verdict`` is the gates' ``word`` when they have one (pass, fail, repeat-required), else "pass" or
+    "fail", and "n/a" without gates. Missing values: NaN.
     """
     import pandas as pd
 
@@ -287,11 +286,15 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
         summary = agg.get("summary", {})
         imp = row.get("improvement")
         gates = row.get("gates")
-        verdict = "n/a" if gates is None else ("pass" if gates["passed"] else "fail")
+        if gates is None:
+            verdict = "n/a"
+        else:
+            verdict = str(gates.get("word") or ("pass" if gates["passed"] else "fail"))
         records.append(
             {
                 "candidate": str(row["candidate"]),
                 "kv_cache_dtype": str(row["kv_cache_dtype"]),
+                "protocol": str(row.get("protocol", "prompt")),
                 "runs": int(agg["runs"]),
                 "mean_kld": float(agg["mean_kld"]),
                 "mean_kld_se": float(summary.get("mean_kld_se", math.nan)),
@@ -336,6 +339,7 @@ def _fmt_reduction(r: Mapping[str, Any]) -> str:
 _MD_COLUMNS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("candidate", "l", lambda r: str(r["candidate"])),
     ("KV cache", "l", lambda r: str(r["kv_cache_dtype"])),
+    ("protocol", "l", lambda r: str(r["protocol"])),
     ("runs", "r", lambda r: str(r["runs"])),
     (
         "mean KLD ± SE",
@@ -356,7 +360,7 @@ _MD_COLUMNS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     (
         "verdict",
         "l",
-        lambda r: str(r["verdict"]).upper() if r["verdict"] in ("pass", "fail") else r["verdict"],
+        lambda r: str(r["verdict"]).upper() if r["verdict"] in VERDICT_WORDS else str(r["verdict"]),
     ),
 )
 
@@ -381,148 +385,3 @@ def write_table(df: pd.DataFrame, csv_path: str | os.PathLike[str], md_path: str
     for path, text in ((csv_path, csv_text), (md_path, md_text)):
         with atomic_open(path, "w", encoding="utf-8", newline="") as handle:
             handle.write(text)
-
-
-# --------------------------------------------------------------------------------------------------------
-# plots
-# --------------------------------------------------------------------------------------------------------
-
-
-def _new_figure(width: float, height: float) -> Figure:
-    # matplotlib only where a plot is drawn: gate_kld aggregates without it
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig: Figure, out_path: str | os.PathLike[str]) -> Path:
-    with atomic_open(out_path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
-    return Path(out_path)
-
-
-def _curves_np(curves: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    if not curves:
-        raise ValueError("no curves to plot")
-    out = {}
-    for name, values in curves.items():
-        x = _kl_tensor(values).numpy()
-        if x.size == 0:
-            raise ValueError(f"curve {name!r} is empty")
-        if np.isnan(x).any():
-            raise ValueError(f"curve {name!r} has NaN")
-        out[str(name)] = x
-    return out
-
-
-def plot_kl_cdf(
-    curves: Mapping[str, torch.Tensor],
-    out_path: str | os.PathLike[str],
-    *,
-    title: str = "Per-position KL(BF16 || candidate): empirical CDF",
-) -> Path:
-    """Empirical CDF of the per-position KL of each named curve, log x over the positive values.
-
-    Zeros sit at the left edge (a decade below the smallest positive KL; the CDF starts at their
-    fraction); ``inf`` values are off the right edge (the CDF tops out below 1). Curves with no positive
-    value at all (a BF16 self-check) are drawn as a step at 0 on a linear axis when nothing is positive.
-    """
-    data = _curves_np(curves)
-    positive = np.concatenate([x[(x > 0) & np.isfinite(x)] for x in data.values()])
-    fig = _new_figure(7.5, 4.8)
-    ax = fig.add_subplot()
-    if positive.size:
-        lo, hi = float(positive.min()), float(positive.max())
-        left = lo / 10.0
-        right = hi * 10.0 if hi > lo else hi * 100.0
-        ax.set_xscale("log")
-    else:
-        left, right = -1.0, 1.0
-    for name, x in data.items():
-        n = x.size
-        zeros, infs = int((x == 0).sum()), int(np.isinf(x).sum())
-        finite_pos = np.sort(x[(x > 0) & np.isfinite(x)])
-        xs = np.concatenate([[left], finite_pos, [right]])
-        ys = np.concatenate([[zeros / n], (zeros + np.arange(1, finite_pos.size + 1)) / n, [(n - infs) / n]])
-        if not positive.size:
-            xs, ys = np.array([left, 0.0, right]), np.array([0.0, zeros / n, zeros / n])
-        notes = [f"mean {np.mean(x):.3g}" if math.isfinite(float(np.mean(x))) else "mean inf"]
-        if zeros:
-            notes.append(f"{zeros} zero" + ("s" if zeros > 1 else ""))
-        if infs:
-            notes.append(f"{infs} inf")
-        ax.step(xs, ys, where="post", linewidth=1.4, label=f"{name} ({', '.join(notes)})")
-    ax.set_xlim(left, right)
-    ax.set_ylim(0.0, 1.02)
-    ax.set_xlabel("KL per position (nats)" + (", log scale; zeros at the left edge" if positive.size else ""))
-    ax.set_ylabel("fraction of positions ≤ x")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.35)
-    ax.legend(fontsize=8, loc="lower right")
-    return _save(fig, out_path)
-
-
-ROLLING_POSITIONS = 64  # the per-position plot's rolling mean: ~30 windows along a 2,048-token prompt
-
-
-def _rolling_mean(x: np.ndarray, window: int) -> np.ndarray:
-    """The mean of the finite values among the ``window`` positions centred on each position (NaN where
-    there are none)."""
-    finite = np.isfinite(x)
-    kernel = np.ones(max(1, window))
-    sums = np.convolve(np.where(finite, x, 0.0), kernel, mode="same")
-    counts = np.convolve(finite.astype(float), kernel, mode="same")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-
-
-def plot_per_position(
-    curves: Mapping[str, torch.Tensor],
-    out_path: str | os.PathLike[str],
-    *,
-    title: str = "Per-position KL(BF16 || candidate) along the prompt",
-) -> Path:
-    """Per-position KL along the prompt, per named curve (same length not required): each position faintly
-    and its rolling mean over ``ROLLING_POSITIONS`` positions as the line to read (a few thousand noisy
-    points of several curves are unreadable on their own).
-
-    y is log when every finite value is positive, symlog when some are 0, linear when none is positive;
-    ``inf`` values are not drawn (nor averaged) but counted in the legend.
-    """
-    data = _curves_np(curves)
-    finite = np.concatenate([x[np.isfinite(x)] for x in data.values()])
-    positive = finite[finite > 0]
-    fig = _new_figure(10.0, 4.8)
-    ax = fig.add_subplot()
-    if positive.size and positive.size == finite.size:
-        ax.set_yscale("log")
-        scale = "log"
-    elif positive.size:
-        ax.set_yscale("symlog", linthresh=float(positive.min()))
-        scale = "symlog"
-    else:
-        scale = "linear"
-    for name, x in data.items():
-        infs = int(np.isinf(x).sum())
-        shown = np.where(np.isinf(x), np.nan, x)
-        label = name + (f" ({infs} inf)" if infs else "")
-        (points,) = ax.plot(np.arange(x.size), shown, linewidth=0.5, alpha=0.25)
-        window = min(ROLLING_POSITIONS, x.size)
-        ax.plot(
-            np.arange(x.size),
-            _rolling_mean(shown, window),
-            linewidth=1.6,
-            color=points.get_color(),
-            label=label,
-        )
-    ax.set_xlabel(
-        f"prompt position t (predicting token t + 1); lines: mean over {ROLLING_POSITIONS} positions"
-    )
-    ax.set_ylabel(f"KL (nats, {scale} scale)")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.35)
-    ax.legend(fontsize=8, loc="upper right")
-    return _save(fig, out_path)

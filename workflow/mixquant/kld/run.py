@@ -1,28 +1,28 @@
-"""Stage entry points of the KLD protocol: reference_logits, run_kld, gate_kld, kld_report, check_kld_gates.
+"""Stage entry points of the KLD protocol that run an engine: reference_logits and run_kld.
 
-Files:
+What an engine scores (windows: the pinned prompt, or the evaluation suite) and how the reference is stored:
+:mod:`mixquant.kld.capture`. Files:
 
-* ``reference_logits``: ``logits.safetensors`` (``logits``: float32 [T-1, V], logits of prompt positions
-  0..T-2 of the BF16 model with a BF16 KV cache) and ``reference.json``: engine settings and info, and the
-  SHA-256 of the logits' canonical encoding -- the float32 values as little-endian IEEE-754 bytes in
-  row-major order [T-1, V], no header (the bytes ``numpy.ascontiguousarray(x, "<f4").tobytes()`` gives).
+* ``reference_logits``: the reference of every window (``logits.safetensors``: float32 [positions, V], or
+  the top-k form ``reference_topk.safetensors``) and ``reference.json``: engine settings and info, the
+  SHA-256 of the full logits' canonical encoding -- the float32 values as little-endian IEEE-754 bytes in
+  row-major order, no header (what ``numpy.ascontiguousarray(x, "<f4").tobytes()`` gives) -- and, with more
+  than one capture, the runtime noise floor: the mean KL of each further fresh-engine capture against the
+  first (the largest of them; exactly 0 for a deterministic engine).
 * ``run_kld``: every run of one (candidate, KV dtype) under ``runs/<i>/`` (``i`` = 0..runs-1), each with
   ``kld.json`` (the run's statistics, engine info) and ``per_position.safetensors`` (``kl``, ``p_ref``,
-  ``p_cand``, ``ref_nll``, ``cand_nll`` float64 [T-1]; ``top1_same`` uint8). Each run builds a fresh
-  engine: a new engine object in the job's process for ``hf`` (deterministic, in-process), a new Python
-  process per run for ``vllm`` (whose engine state, CUDA context and allocator outlive the object).
-* ``gate_kld``: ``aggregate.json`` -- the runs' aggregate, the paired comparison with the baseline, the
-  gates and the verdict -- and ``per_position_mean.safetensors`` (the mean per-position KL over runs).
-* ``kld_report``: ``kld_table.csv`` / ``kld_table.md`` (candidates x KV), ``kl_cdf_<kv>.png``,
-  ``kl_per_position_<kv>.png`` and ``report.json`` (every verdict).
-* ``check_kld_gates``: ``verdict.json``, written only when every gate passed; otherwise the stage fails with
-  one line listing the failed checks (the aggregates and the report stay for inspection).
+  ``p_cand``, ``ref_nll``, ``cand_nll`` float64 [positions]; ``top1_same`` uint8) for the prompt, and the
+  same under ``runs/<i>/suite/`` for the evaluation suite when one is configured. Each run builds one fresh
+  engine that scores the prompt and the suite: a new engine object in the job's process for ``hf``
+  (deterministic, in-process), a new Python process per run for ``vllm`` (whose engine state, CUDA context
+  and allocator outlive the object).
+
+The gate, the report and the verdict: :mod:`mixquant.kld.gate`, :mod:`mixquant.kld.compare`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +44,18 @@ from mixquant.numerics import fingerprint, portable_environment, requested
 log = logging.getLogger(__name__)
 
 LOGITS_FILE = "logits.safetensors"
+TOPK_FILE = "reference_topk.safetensors"
 REFERENCE_JSON = "reference.json"
 RUNS_DIR = "runs"
+SUITE_DIR = "suite"
 RUN_JSON = "kld.json"
 PER_POSITION_FILE = "per_position.safetensors"
 AGGREGATE_JSON = "aggregate.json"
 MEAN_FILE = "per_position_mean.safetensors"
 REPORT_JSON = "report.json"
 VERDICT_JSON = "verdict.json"
-ENCODING = "float32 little-endian IEEE-754, row-major [T-1, V], no header"
+ENCODING = "float32 little-endian IEEE-754, row-major [positions, V], no header"
+PASS_JSON = "pass.json"  # a pass's results (engine info, each task's record), written last by whoever ran it
 
 
 class KldGateFailure(RuntimeError):
@@ -71,40 +73,66 @@ def run_dir(runs_dir: str | Path, run: int) -> Path:
 
 def logits_sha256(logits) -> str:
     """SHA-256 of the canonical encoding of float32 logits (see the module docstring)."""
-    import numpy as np
+    from mixquant.kld.capture import logits_sha256 as sha  # lazy: imports torch
 
-    array = np.ascontiguousarray(logits.detach().to("cpu").float().numpy(), dtype="<f4")
-    return hashlib.sha256(array.tobytes()).hexdigest()
+    return sha(logits)
 
 
-def _engine_settings(settings: dict[str, Any], kv: str, threads: int | None):
+def _engine_settings(settings: dict[str, Any], kv: str) -> EngineSettings:
     device = settings.get("numerics", {}).get("device") if settings["engine"]["engine"] == "hf" else None
-    return EngineSettings(**settings["engine"], kv_cache_dtype=kv, threads=threads, device=device)
-
-
-def _prompt_ids(prompt: str | Path):
-    from mixquant.calibration.tokens import load_token_ids  # lazy: imports torch
-
-    return load_token_ids(Path(prompt) / "prompt.safetensors").reshape(-1).long()
+    return EngineSettings(
+        **settings["engine"], kv_cache_dtype=kv, threads=settings.get("threads"), device=device
+    )
 
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=True) + "\n", encoding="utf-8")
 
 
-def _logits(model_dir: Path, settings: dict[str, Any], kv: str, ids) -> tuple[Any, dict[str, Any], float]:
-    from mixquant.kld.engines import open_engine  # lazy: imports torch
-    from mixquant.model.layer_reader import check_checkpoint_shards  # lazy: imports torch
+def _task(windows: str | Path, out: Path, reference: str | Path | None, settings: dict[str, Any]) -> dict:
+    """A pass's task as JSON (what the engine process is handed): paths and the reference form."""
+    return {
+        "windows": str(windows),
+        "out": str(out),
+        "reference": None if reference is None else str(reference),
+        "form": settings.get("reference_form", "full"),
+        "top_k": settings.get("top_k"),
+    }
 
-    check_checkpoint_shards(model_dir)  # a broken shard stops here with one line naming it
-    started = time.perf_counter()
-    engine = open_engine(model_dir, _engine_settings(settings, kv, settings.get("threads")))
-    try:
-        logits = engine.prompt_logits(ids)
-        info = engine.info()
-    finally:
-        engine.close()
-    return logits, info, time.perf_counter() - started
+
+def run_pass(
+    model: str | Path, settings: dict[str, Any], kv: str, tasks: list[dict], preimage: dict | None, label: str
+) -> dict[str, Any]:
+    """One fresh engine over ``tasks`` (:func:`mixquant.kld.capture.score_pass`): in this process for hf, in
+    a new Python process for vLLM (:func:`engine_process`). Writes each task's files into its ``out``."""
+    spec = {"model": str(model), "kv_cache_dtype": kv, "tasks": tasks, "settings": settings}
+    if settings["engine"]["engine"] != "vllm":
+        return _pass_here(spec)
+    return _pass_in_fresh_process(spec, preimage, label)
+
+
+def _pass_in_fresh_process(spec: dict[str, Any], preimage: dict | None, label: str) -> dict[str, Any]:
+    """A pass in a new Python process, its scratch beside the first task's output (the same filesystem)."""
+    with _scratch(Path(spec["tasks"][0]["out"]).parent) as scratch:
+        engine_process(spec, spec["settings"], preimage, scratch, label)
+        return json.loads((scratch / PASS_JSON).read_text(encoding="utf-8"))
+
+
+def _pass_here(spec: dict[str, Any]) -> dict[str, Any]:
+    from mixquant.kld.capture import Reference, Task, load_windows, score_pass  # lazy: imports torch
+
+    tasks = [
+        Task(
+            load_windows(t["windows"]),
+            Path(t["out"]),
+            None if t["reference"] is None else Reference(t["reference"]),
+            t["form"],
+            t["top_k"],
+        )
+        for t in spec["tasks"]
+    ]
+    settings = _engine_settings(spec["settings"], spec["kv_cache_dtype"])
+    return score_pass(resolve_model_dir(spec["model"]), settings, tasks)
 
 
 def run_reference_logits(
@@ -115,38 +143,53 @@ def run_reference_logits(
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
-    """The BF16 model's logits on the pinned prompt (BF16 KV cache), float32 [T-1, V].
+    """The BF16 model's reference on every window (BF16 KV cache); with ``captures`` > 1 also the noise
+    floor of further fresh-engine captures.
 
     reference.json records, besides the hash and the engine, the numerics fingerprint the logits were
     computed under (top-level ``numerics``, mixquant.numerics): their hash is a numerical one, which
     ``mixquant verify`` expects to reproduce bit for bit only under an equal decisive fingerprint.
     """
-    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
-
-    if _fresh_process_engine(settings):
-        logits, info, seconds = _logits_in_fresh_process(
-            model, prompt, settings, preimage, Path(out_dir).parent
-        )
-    else:
-        logits, info, seconds = _logits(resolve_model_dir(model), settings, "bfloat16", _prompt_ids(prompt))
-    sha = logits_sha256(logits)
-    if info.get("numerics") is None:  # an engine that does not record its own
-        info = {**info, "numerics": fingerprint()}
-    document = {
-        "sha256": sha,
-        "encoding": ENCODING,
-        "shape": list(logits.shape),
-        "positions": int(logits.shape[0]),
-        "engine_settings": {**settings["engine"], "kv_cache_dtype": "bfloat16"},
-        "engine": info,
-        "numerics": info["numerics"],
-    }
+    captures = int(settings.get("captures", 1))
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        save_file_sorted({"logits": logits.contiguous()}, tmp / LOGITS_FILE, {"sha256": sha})
+        first = run_pass(
+            model, settings, "bfloat16", [_task(prompt, tmp, None, settings)], preimage, "reference"
+        )
+        record, info = first["results"][0], first["engine"]
+        noise = []
+        for capture in range(1, captures):
+            scratch = tmp / f".capture-{capture}"
+            again = run_pass(
+                model,
+                settings,
+                "bfloat16",
+                [_task(prompt, scratch, tmp, settings)],
+                preimage,
+                f"capture {capture}",
+            )
+            noise.append(again["results"][0]["summary"])
+            shutil.rmtree(scratch)
+        if info.get("numerics") is None:  # an engine that does not record its own
+            info = {**info, "numerics": fingerprint()}
+        document = {
+            "sha256": record["sha256"],
+            "encoding": ENCODING,
+            "shape": record["shape"],
+            "positions": int(record["shape"][0]),
+            "form": record["form"],
+            "top_k": record["top_k"],
+            "engine_settings": {**settings["engine"], "kv_cache_dtype": "bfloat16"},
+            "engine": info,
+            "numerics": info["numerics"],
+            "captures": captures,
+            "noise_floor": max(s["mean_kld"] for s in noise) if noise else None,
+            "noise_captures": [{"mean_kld": s["mean_kld"], "max_kld": s["max_kld"]} for s in noise],
+        }
         _write_json(tmp / REFERENCE_JSON, document)
-        summary.update(sha256=sha, shape=list(logits.shape), seconds=round(seconds, 3), engine=info)
-    log.info("reference logits %s, sha256 %s", tuple(logits.shape), sha)
+        summary.update(sha256=record["sha256"], shape=record["shape"], seconds=round(first["seconds"], 3))
+        summary.update(engine=info, noise_floor=document["noise_floor"])
+    log.info("reference %s (%s), sha256 %s", tuple(record["shape"]), record["form"], record["sha256"])
     return Path(out_dir)
 
 
@@ -158,123 +201,44 @@ def run_kld(
     candidate: str | Path,
     settings: dict[str, Any],
     preimage: dict[str, Any],
+    suite_reference: str | Path | None = None,
+    suite: str | Path | None = None,
 ) -> Path:
     """All ``settings["runs"]`` runs of one (candidate, KV dtype), each a fresh engine: KL(reference ||
-    candidate) at every prompt position, full vocabulary, under ``runs/<i>/``."""
+    candidate) at every position of the prompt (and of the suite's windows), under ``runs/<i>/``."""
     runs = int(settings["runs"])
     if runs < 1:
         raise KldRunError(f"run_kld: runs must be at least 1, got {runs}")
-    in_process = not _fresh_process_engine(settings)
+    kv = settings["kv_cache_dtype"]
     means: list[float] = []
     summary: dict[str, Any] = {}
     with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        ids, ref = _run_inputs(prompt, reference)  # inputs, not engine state: read once
         for run in range(runs):
             target = run_dir(tmp, run)
-            if in_process:
-                document = _one_run(target, ids, ref, candidate, settings, run)
-            else:
-                logits, info, seconds = _logits_in_fresh_process(
-                    candidate, prompt, settings, preimage, tmp, settings["kv_cache_dtype"], f"run {run}"
-                )
-                document = _write_run(target, ids, ref, logits, info, seconds, settings, run)
-            means.append(document["summary"]["mean_kld"])
-        summary.update(kv_cache_dtype=settings["kv_cache_dtype"], runs=runs, mean_kld=means)
+            tasks = [_task(prompt, target, reference, {})]
+            if suite is not None:
+                tasks.append(_task(suite, target / SUITE_DIR, suite_reference, {}))
+            result = run_pass(candidate, settings, kv, tasks, preimage, f"run {run}")
+            for task, scored in zip(tasks, result["results"], strict=True):
+                document = {
+                    "run": run,
+                    "kv_cache_dtype": kv,
+                    "summary": scored["summary"],
+                    "candidate_logits_sha256": scored["candidate_logits_sha256"],
+                    "engine_settings": {**settings["engine"], "kv_cache_dtype": kv},
+                    "engine": result["engine"],
+                }
+                _write_json(Path(task["out"]) / RUN_JSON, document)
+            means.append(result["results"][-1]["summary"]["mean_kld"])
+            log.info(
+                "run %d (%s KV): mean KLD %s (engine pass %.2f s)",
+                run,
+                kv,
+                ", ".join(f"{r['summary']['mean_kld']:.6g}" for r in result["results"]),
+                result["seconds"],
+            )
+        summary.update(kv_cache_dtype=kv, runs=runs, mean_kld=means)
     return Path(out_dir)
-
-
-def _run_inputs(prompt: str | Path, reference: str | Path):
-    from safetensors.torch import load_file
-
-    return _prompt_ids(prompt), load_file(str(Path(reference) / LOGITS_FILE))["logits"]
-
-
-def _one_run(
-    target: Path, ids, ref, candidate: str | Path, settings: dict[str, Any], run: int
-) -> dict[str, Any]:
-    """One run with a fresh engine in this process: write ``kld.json`` and ``per_position.safetensors``."""
-    logits, info, seconds = _logits(resolve_model_dir(candidate), settings, settings["kv_cache_dtype"], ids)
-    return _write_run(target, ids, ref, logits, info, seconds, settings, run)
-
-
-def _write_run(
-    target: Path, ids, ref, logits, info: dict[str, Any], seconds: float, settings: dict[str, Any], run: int
-) -> dict[str, Any]:
-    """KL(reference || candidate) of one run's logits: ``kld.json`` and ``per_position.safetensors`` into
-    ``target``. Computed by the job's own process, under its numerics profile, whichever process the engine
-    ran in."""
-    import torch
-
-    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
-    from mixquant.kld.stats import kld_statistics  # lazy: imports torch
-
-    kv = settings["kv_cache_dtype"]
-    if logits.shape != ref.shape:
-        raise ValueError(f"candidate logits {tuple(logits.shape)} vs reference {tuple(ref.shape)}")
-    started = time.perf_counter()
-    stats = kld_statistics(ref, logits, ids[1:])
-    per = stats["per_position"]
-    tensors = {name: per[name].to(torch.float64).contiguous() for name in ("kl", "p_ref", "p_cand")}
-    tensors.update({name: per[name].to(torch.float64).contiguous() for name in ("ref_nll", "cand_nll")})
-    tensors["top1_same"] = per["top1_same"].to(torch.uint8).contiguous()
-    document = {
-        "run": run,
-        "kv_cache_dtype": kv,
-        "summary": stats["summary"],
-        "candidate_logits_sha256": logits_sha256(logits),
-        "engine_settings": {**settings["engine"], "kv_cache_dtype": kv},
-        "engine": info,
-    }
-    target.mkdir(parents=True, exist_ok=True)
-    save_file_sorted(tensors, target / PER_POSITION_FILE, None)
-    _write_json(target / RUN_JSON, document)
-    log.info(
-        "run %d (%s KV): mean KLD %.6g (engine %.2f s, statistics %.2f s)",
-        run,
-        kv,
-        stats["summary"]["mean_kld"],
-        seconds,
-        time.perf_counter() - started,
-    )
-    return document
-
-
-def _fresh_process_engine(settings: dict[str, Any]) -> bool:
-    """Whether the engine runs in a fresh process: vLLM always (its engine-core and worker processes, CUDA
-    context and allocator outlive the Python object; it may live in another interpreter); hf in-process."""
-    return settings["engine"]["engine"] == "vllm"
-
-
-def _logits_in_fresh_process(
-    model: str | Path,
-    prompt: str | Path,
-    settings: dict[str, Any],
-    preimage: dict[str, Any] | None,
-    beside: Path,
-    kv_cache_dtype: str = "bfloat16",
-    label: str = "reference",
-) -> tuple[Any, dict[str, Any], float]:
-    """A model's logits on the prompt from an engine in a new Python process (:func:`engine_process`), its
-    files in a scratch directory in ``beside`` (the output's filesystem: the logits of a real model's
-    2,048-token prompt are 0.8 GB)."""
-    from safetensors.torch import load_file
-
-    started = time.perf_counter()
-    with _scratch(beside) as scratch:
-        task = {
-            "task": "logits",
-            "model": str(model),
-            "prompt": str(prompt),
-            "kv_cache_dtype": kv_cache_dtype,
-        }
-        engine_process(task, settings, preimage, scratch, label)
-        logits = load_file(str(scratch / LOGITS_FILE))["logits"]
-        info = json.loads((scratch / ENGINE_JSON).read_text(encoding="utf-8"))
-    return logits, info, time.perf_counter() - started
-
-
-ENGINE_JSON = "engine.json"
-DONE_JSON = "done.json"  # the child's last write: its files and their SHA-256
 
 
 @contextlib.contextmanager
@@ -288,32 +252,30 @@ def _scratch(beside: Path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+DONE_JSON = "done.json"  # the child's last write: its files and their SHA-256
+
+
 def engine_process(
-    task: dict[str, Any],
+    spec: dict[str, Any],
     settings: dict[str, Any],
     preimage: dict[str, Any] | None,
     scratch: Path,
     label: str,
 ) -> list[str]:
-    """Run one engine task in a new Python process writing into ``scratch``; the names of the files it wrote.
+    """Run one engine pass in a new Python process; the files it wrote (paths), checked.
 
     The child is ``python -m mixquant.kld.run SPEC`` (a module run under a ``__main__`` guard: vLLM starts its
     workers with ``spawn``, which re-imports the main module) in ``software.vllm_python`` when set, else this
     interpreter; mixquant comes from this process's copy (no env installs it), the environment is inherited
     (for vLLM without the CPU numerics profile: :func:`vllm_environment`), its output goes to this job's log.
-    The child first checks its packages
-    against the key (:func:`mixquant.keys.environments.check_software`), and last writes ``done.json``: the
-    run is judged by its files against that list, not by the exit status (vLLM's teardown has been seen to
-    abort after the output was complete: rc 134, "terminate called without an active exception").
+    The child first checks its packages against the key (:func:`mixquant.keys.environments.check_software`),
+    writes each task's files and ``pass.json`` into ``scratch``, and last ``done.json``: the pass is judged
+    by its files against that list, not by the exit status (vLLM's teardown has been seen to abort after the
+    output was complete: rc 134, "terminate called without an active exception").
     """
     software = settings.get("software") or {}
     python = software.get("python") or sys.executable
-    spec = {
-        **task,
-        "settings": settings,
-        "packages": (preimage or {}).get("packages"),
-        "out": str(scratch),
-    }
+    spec = {**spec, "packages": (preimage or {}).get("packages"), "scratch": str(scratch)}
     package_root = str(Path(mixquant.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -321,7 +283,6 @@ def engine_process(
         env = vllm_environment(env)
     spec_path = scratch / "spec.json"
     _write_json(spec_path, spec)
-    started = time.perf_counter()
     done = subprocess.run(
         [python, "-m", "mixquant.kld.run", str(spec_path)],
         env=env,
@@ -335,8 +296,7 @@ def engine_process(
     spec_path.unlink(missing_ok=True)
     files = _completed_files(scratch)
     if files is None:
-        last = _last_line(output)
-        raise KldRunError(f"{label}: the engine process exited with {done.returncode}: {last}")
+        raise KldRunError(f"{label}: the engine process exited with {done.returncode}: {_last_line(output)}")
     if done.returncode != 0:
         log.warning(
             "%s: the engine process exited with %d after writing its complete output (checked against its "
@@ -344,7 +304,6 @@ def engine_process(
             label,
             done.returncode,
         )
-    log.info("%s: fresh process %.1f s", label, time.perf_counter() - started)
     return files
 
 
@@ -353,8 +312,8 @@ def vllm_environment(env: dict[str, str]) -> dict[str, str]:
 
     vLLM places itself and picks its own kernels by what the CPU has (its CPU build's BF16 GEMMs use
     oneDNN's AMX/AVX512 micro-kernels and abort under ONEDNN_MAX_CPU_ISA=AVX2) and its own threads; the
-    profile pins torch's paths for what mixquant computes, which the job's own process still does (the KL
-    statistics). The engine's fingerprint then records the host's native numerics.
+    profile pins torch's paths for what mixquant computes. The engine's fingerprint then records the host's
+    native numerics; the KL statistics of a vLLM pass are computed in its process, natively.
     """
     out = {name: value for name, value in env.items() if name not in portable_environment()}
     out["MIXQUANT_NUMERICS"] = f"native:{requested()[1]}"
@@ -375,7 +334,7 @@ def _completed_files(scratch: Path) -> list[str] | None:
     except (OSError, ValueError, KeyError):
         return None
     for name, sha in listed.items():
-        path = scratch / name
+        path = Path(name)
         if not path.is_file() or file_sha256(path) != sha:
             return None
     (scratch / DONE_JSON).unlink()
@@ -383,21 +342,17 @@ def _completed_files(scratch: Path) -> list[str] | None:
 
 
 def run_engine_task(spec_path: str | Path) -> None:
-    """The child of :func:`engine_process`: a model's logits on the prompt, as the spec file describes."""
+    """The child of :func:`engine_process`: one pass, as the spec file describes."""
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    settings, out = spec["settings"], Path(spec["out"])
+    settings, scratch = spec["settings"], Path(spec["scratch"])
     if spec.get("packages") is not None:  # the engine's own packages are the ones its key holds
         check_software({"packages": spec["packages"]}, settings.get("software"))
-    if spec["task"] != "logits":
-        raise KldRunError(f"engine task {spec['task']!r} is not 'logits'")
-    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
-
-    ids = _prompt_ids(spec["prompt"])
-    logits, info, _ = _logits(resolve_model_dir(spec["model"]), settings, spec["kv_cache_dtype"], ids)
-    save_file_sorted({"logits": logits.contiguous()}, out / LOGITS_FILE, None)
-    _write_json(out / ENGINE_JSON, info)
-    written = [LOGITS_FILE, ENGINE_JSON]
-    _write_json(out / DONE_JSON, {"files": {name: file_sha256(out / name) for name in written}})
+    result = _pass_here(spec)
+    _write_json(scratch / PASS_JSON, result)
+    written = [scratch / PASS_JSON] + [
+        path for task in spec["tasks"] for path in sorted(Path(task["out"]).iterdir()) if path.is_file()
+    ]
+    _write_json(scratch / DONE_JSON, {"files": {str(path): file_sha256(path) for path in written}})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,170 +369,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mixquant: {line}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def _load_runs(directory: str | Path) -> list[dict[str, Any]]:
-    """Every run of a run_kld output, in run order (``runs/0``, ``runs/1``, ...)."""
-    from safetensors.torch import load_file
-
-    root = Path(directory) / RUNS_DIR
-    found = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
-    if not found or found != list(range(len(found))):
-        raise KldRunError(f"{root}: expected runs 0..n-1, found {found}")
-    runs = []
-    for run in found:
-        path = run_dir(directory, run)
-        document = json.loads((path / RUN_JSON).read_text(encoding="utf-8"))
-        kl = load_file(str(path / PER_POSITION_FILE))["kl"]
-        runs.append({"summary": document["summary"], "kl": kl, "engine": document["engine"]})
-    return runs
-
-
-def run_gate_kld(
-    out_dir: str | Path,
-    *,
-    runs: str | Path,
-    baseline_runs: str | Path | None = None,
-    settings: dict[str, Any],
-    preimage: dict[str, Any],
-) -> Path:
-    """Aggregate one (candidate, KV dtype)'s runs (a run_kld output), compare with the baseline's runs,
-    apply the gates."""
-    from mixquant.checkpoint.writer import save_file_sorted  # lazy: imports torch
-    from mixquant.kld.report import (  # lazy: imports torch
-        aggregate_runs,
-        aggregate_to_json,
-        evaluate_gates,
-        paired_improvement,
-    )
-
-    own = _load_runs(runs)
-    base = _load_runs(baseline_runs) if baseline_runs is not None else []
-    aggregate = aggregate_runs(own)
-    gates = settings["gates"]
-    improvement = None
-    if base:
-        baseline = aggregate_runs(base)
-        improvement = paired_improvement(
-            aggregate["kl"],
-            baseline["kl"],
-            samples=gates["bootstrap_samples"],
-            confidence=gates["confidence"],
-        )
-    applied: dict[str, Any] = {"require_exact_zero": settings["require_exact_zero"]}
-    if settings["gated"]:
-        applied.update(
-            max_mean_kld=gates["max_mean_kld"],
-            max_run_spread=gates["max_run_spread"],
-            min_improvement=gates["min_improvement"] if base else None,
-        )
-    verdict = evaluate_gates(aggregate, applied, improvement)
-    if settings["require_identical_runs"]:
-        identical = bool(aggregate["identical_runs"])
-        verdict["checks"].append(
-            {"name": "identical_runs", "value": identical, "limit": True, "passed": identical}
-        )
-        verdict["passed"] = verdict["passed"] and identical
-    document = {
-        "candidate": settings["candidate"],
-        "source": settings["source"],
-        "kv_cache_dtype": settings["kv_cache_dtype"],
-        "baseline": settings["baseline"],
-        "aggregate": aggregate_to_json(aggregate),
-        "improvement": improvement,
-        "gates": applied,
-        "verdict": verdict,
-        "engine": own[0]["engine"],
-    }
-    summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        _write_json(tmp / AGGREGATE_JSON, document)
-        save_file_sorted({"kl": aggregate["kl"].contiguous()}, tmp / MEAN_FILE, None)
-        summary.update(mean_kld=aggregate["mean_kld"], passed=verdict["passed"])
-    log.info(
-        "%s (%s KV): mean KLD %.6g over %d runs, %s",
-        settings["candidate"],
-        settings["kv_cache_dtype"],
-        aggregate["mean_kld"],
-        aggregate["runs"],
-        "pass" if verdict["passed"] else "FAIL",
-    )
-    return Path(out_dir)
-
-
-def run_kld_report(
-    out_dir: str | Path, *, settings: dict[str, Any], preimage: dict[str, Any], **gates: str
-) -> Path:
-    """The comparison table (CSV, Markdown) of every candidate x KV dtype, the plots and the verdicts."""
-    from safetensors.torch import load_file
-
-    from mixquant.kld.report import (  # lazy: imports torch
-        comparison_table,
-        plot_kl_cdf,
-        plot_per_position,
-        table_markdown,
-        write_table,
-    )
-
-    rows, curves, verdicts = [], {}, []
-    for kv in settings["kv_cache_dtypes"]:
-        curves[kv] = {}
-        for name in settings["candidates"]:
-            directory = Path(gates[f"gate_{name}_{kv}"])
-            document = json.loads((directory / AGGREGATE_JSON).read_text(encoding="utf-8"))
-            rows.append(
-                {
-                    "candidate": name,
-                    "kv_cache_dtype": kv,
-                    "aggregate": document["aggregate"],
-                    "improvement": document["improvement"],
-                    "gates": document["verdict"] if document["verdict"]["checks"] else None,
-                }
-            )
-            curves[kv][name] = load_file(str(directory / MEAN_FILE))["kl"]
-            failed = [c for c in document["verdict"]["checks"] if not c["passed"]]
-            verdicts.append(
-                {
-                    "candidate": name,
-                    "kv_cache_dtype": kv,
-                    "passed": document["verdict"]["passed"],
-                    "failed": failed,
-                }
-            )
-    table = comparison_table(rows)
-    summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        write_table(table, tmp / "kld_table.csv", tmp / "kld_table.md")
-        for kv, by_candidate in curves.items():
-            plot_kl_cdf(
-                by_candidate, tmp / f"kl_cdf_{kv}.png", title=f"KL(BF16 || candidate) CDF, {kv} KV cache"
-            )
-            plot_per_position(
-                by_candidate, tmp / f"kl_per_position_{kv}.png", title=f"Per-position KL, {kv} KV cache"
-            )
-        _write_json(tmp / REPORT_JSON, {"baseline": settings["baseline"], "verdicts": verdicts})
-        summary.update(passed=all(v["passed"] for v in verdicts))
-    log.info("KLD table:\n%s", table_markdown(table))
-    return Path(out_dir)
-
-
-def run_check_kld_gates(
-    out_dir: str | Path, *, report: str | Path, settings: dict[str, Any], preimage: dict[str, Any]
-) -> Path:
-    """Publish ``verdict.json`` when every gate passed; otherwise fail with one line naming the failures."""
-    document = json.loads((Path(report) / REPORT_JSON).read_text(encoding="utf-8"))
-    failed = [v for v in document["verdicts"] if not v["passed"]]
-    if failed:
-        parts = []
-        for v in failed:
-            checks = ", ".join(f"{c['name']} {c['value']!r} (limit {c['limit']!r})" for c in v["failed"])
-            parts.append(f"{v['candidate']}/{v['kv_cache_dtype']}: {checks}")
-        raise KldGateFailure(f"KLD gates failed: {'; '.join(parts)} (see {Path(report)})")
-    summary: dict[str, Any] = {}
-    with publish_keyed_dir(out_dir, preimage, summary) as tmp:
-        _write_json(tmp / VERDICT_JSON, {"passed": True, "verdicts": document["verdicts"]})
-        summary.update(passed=True, checked=len(document["verdicts"]))
-    return Path(out_dir)
 
 
 if __name__ == "__main__":  # the engine process (engine_process); vLLM's spawned workers skip this

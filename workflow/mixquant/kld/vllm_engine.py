@@ -283,7 +283,11 @@ class VllmEngine:
             else:
                 self.method_reason = problem
         self.llm_kwargs = vllm_llm_kwargs(self.model_dir, settings)
-        self._lm_head_fp32 = self.lm_head.float() if self.lm_head is not None else None
+        # the off-engine lm_head (and, in mixquant.kld.capture, the KL statistics) on the engine's first GPU:
+        # a 131K x 7168 fp32 GEMM per 2,047 positions is minutes on one CPU thread, milliseconds there
+        on_gpu = self.device == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+        self.logits_device = "cuda:0" if on_gpu else "cpu"
+        self._lm_head_fp32 = self.lm_head.to(self.logits_device).float() if self.lm_head is not None else None
         self.forwards_used: int | None = None
         self.llm = vllm.LLM(**self.llm_kwargs)
 
@@ -306,6 +310,11 @@ class VllmEngine:
         return outputs[0]
 
     def prompt_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.device_logits(token_ids).cpu()
+
+    def device_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`prompt_logits` left on :attr:`logits_device` (the engine's first GPU under CUDA), where the
+        KL statistics of a pass are then computed."""
         if self.llm is None:
             raise EngineError(f"{self.who}: engine is closed")
         ids = prompt_ids(token_ids)
@@ -321,6 +330,7 @@ class VllmEngine:
         if not captured:
             raise EngineError(f"{self.who}: apply_model returned no worker results")
         hidden, self.forwards_used = _assemble_hidden(captured[0], num_tokens, self.who)
+        hidden = hidden.to(self.logits_device)
         if hidden.shape[-1] != self._lm_head_fp32.shape[1]:
             raise EngineError(
                 f"{self.who}: hidden size {hidden.shape[-1]} != lm_head {tuple(self._lm_head_fp32.shape)}"

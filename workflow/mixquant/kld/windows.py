@@ -69,6 +69,16 @@ def _resampled_reductions(strata: Sequence[np.ndarray], samples: int, rng: np.ra
     return 1.0 - ratio
 
 
+def _strata(
+    ids: Sequence[Any], sums: np.ndarray, domains: Mapping[Any, str] | None
+) -> tuple[list[str], list[np.ndarray]]:
+    """(domain names in first-seen order, each domain's rows of ``sums``); one stratum ``all`` without
+    domains."""
+    domain_of = {window: (domains[window] if domains is not None else "all") for window in ids}
+    names = list(dict.fromkeys(domain_of[window] for window in ids))
+    return names, [sums[[i for i, w in enumerate(ids) if domain_of[w] == name]] for name in names]
+
+
 def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
     alpha = (1.0 - confidence) / 2.0
     low, high = np.quantile(values, [alpha, 1.0 - alpha], method="linear")
@@ -102,9 +112,7 @@ def window_bootstrap(
         raise ValueError("baseline KL is not finite everywhere")
     if np.isnan(sums[:, 0]).any():
         raise ValueError("candidate KL has NaN")
-    domain_of = {window: (domains[window] if domains is not None else "all") for window in ids}
-    names = list(dict.fromkeys(domain_of[window] for window in ids))
-    strata = [sums[[i for i, window in enumerate(ids) if domain_of[window] == name]] for name in names]
+    names, strata = _strata(ids, sums, domains)
     rng = np.random.default_rng(int(seed))
     low, high = _interval(_resampled_reductions(strata, int(samples), rng), confidence)
     per_domain = {}
@@ -144,3 +152,47 @@ def verdict(ci_low: float, ci_high: float, threshold: float, *, higher_is_better
     if ci_high <= threshold:
         return "pass"
     return "fail" if ci_low > threshold else "repeat-required"
+
+
+def window_mean(
+    kl: Sequence[float] | np.ndarray,
+    windows: Sequence[Any],
+    domains: Mapping[Any, str] | None = None,
+    *,
+    samples: int = 10000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The mean KL over the suite's positions with a bootstrap interval over windows, stratified by domain
+    (as :func:`window_bootstrap`), and each domain's mean with its own interval.
+
+    Returns ``{"mean", "ci_low", "ci_high", "windows", "positions", "domains": {domain: {"mean", "ci_low",
+    "ci_high", "windows", "positions"}}}``.
+    """
+    kl = np.asarray(kl, dtype=np.float64)
+    ids, sums = window_sums(kl, np.ones_like(kl), windows)  # [:, 1] counts each window's positions
+    names, strata = _strata(ids, sums, domains)
+    rng = np.random.default_rng(int(seed))
+
+    def means(groups: Sequence[np.ndarray]) -> np.ndarray:
+        return 1.0 - _resampled_reductions(groups, int(samples), rng)  # sum(kl) / sum(positions)
+
+    low, high = _interval(means(strata), confidence)
+    out: dict[str, Any] = {
+        "mean": float(sums[:, 0].sum() / sums[:, 1].sum()),
+        "ci_low": low,
+        "ci_high": high,
+        "windows": len(ids),
+        "positions": int(sums[:, 1].sum()),
+        "domains": {},
+    }
+    for name, stratum in zip(names, strata, strict=True):
+        d_low, d_high = _interval(means([stratum]), confidence)
+        out["domains"][name] = {
+            "mean": float(stratum[:, 0].sum() / stratum[:, 1].sum()),
+            "ci_low": d_low,
+            "ci_high": d_high,
+            "windows": len(stratum),
+            "positions": int(stratum[:, 1].sum()),
+        }
+    return out

@@ -14,6 +14,8 @@ beside ``repo/``, the directory to publish -- only what a model repository holds
     placement_audit.json                          solve_placement's audit (with a search)
     quantization_recipe.yaml                      the resolved config + the placement: replays the build
     kld/<candidate>.<kv dtype>.json               gate_kld's aggregate per candidate x KV-cache dtype
+    kld/report.json, kld/kl_cdf_domains_<kv>.png  kld_report's report (the suite, the decomposition, the
+                                                  per-domain rows) and its per-domain KL CDF plots
     reference/logits.safetensors, reference.json  the BF16 reference logits and their record
     reference/prompt.safetensors                  the pinned prompt's token IDs the logits belong to
     numerics.json                                 the decisive numerics fingerprint they were made under
@@ -44,7 +46,8 @@ from mixquant.export.files import QUANT_CONFIG_FILE
 from mixquant.jsonio import read_json
 from mixquant.keys.hashing import require_sha256_hex
 from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_dir
-from mixquant.kld.run import AGGREGATE_JSON, LOGITS_FILE, REFERENCE_JSON, VERDICT_JSON
+from mixquant.kld.run import AGGREGATE_JSON, LOGITS_FILE, REFERENCE_JSON, REPORT_JSON, VERDICT_JSON
+from mixquant.release.card_kld import DOMAIN_PLOT_PREFIX
 from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
 from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 
@@ -157,6 +160,16 @@ def read_gate_documents(recipe: dict[str, Any], gates: dict[str, str | Path]) ->
     return gate_docs
 
 
+def read_report(kld_report: str | Path | None) -> tuple[dict[str, Any] | None, list[Path]]:
+    """kld_report's ``report.json`` and its per-domain KL CDF plots (None and none without the input)."""
+    if kld_report is None:
+        return None, []
+    directory = _keyed_dir(kld_report, "kld_report")
+    report = read_json(directory / REPORT_JSON, "KLD report", error=ReleaseInputError)
+    plot_name = DOMAIN_PLOT_PREFIX.removeprefix(f"{KLD_DIR}/")
+    return report, sorted(directory.glob(f"{plot_name}*.png"))
+
+
 def write_repo(
     tmp: Path,
     *,
@@ -169,9 +182,12 @@ def write_repo(
     reference_doc: dict[str, Any],
     numerics: dict[str, Any],
     card: str,
+    report: dict[str, Any] | None = None,
+    plots: list[Path] | None = None,
 ) -> None:
     """The release repository's files into ``tmp``: the checkpoint, the recipe, the placement audit, the
-    gates' records, the reference logits with their prompt, the numerics fingerprint and the model card."""
+    gates' records, the KLD report and its per-domain plots, the reference logits with their prompt, the
+    numerics fingerprint and the model card."""
     from mixquant.release.hashes import (
         NUMERICS_JSON,
         PROMPT_FILE,
@@ -187,6 +203,11 @@ def write_repo(
         target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(_json_text(shipped_document(doc)), encoding="utf-8")
+    if report is not None:
+        (tmp / KLD_DIR).mkdir(exist_ok=True)
+        (tmp / KLD_DIR / REPORT_JSON).write_text(_json_text(shipped_document(report)), encoding="utf-8")
+    for plot in plots or []:
+        link_or_copy(plot, tmp / KLD_DIR / plot.name)
     link_or_copy(reference_dir / LOGITS_FILE, tmp / RELEASE_REFERENCE_DIR / LOGITS_FILE)
     link_or_copy(prompt_dir / PROMPT_FILE, tmp / RELEASE_REFERENCE_DIR / PROMPT_FILE)
     (tmp / RELEASE_REFERENCE_DIR / REFERENCE_JSON).write_text(
@@ -205,6 +226,7 @@ def run_assemble_release(
     reference: str | Path,
     verdict: str | Path,
     placement: str | Path | None = None,
+    kld_report: str | Path | None = None,
     settings: dict[str, Any],
     preimage: dict[str, Any],
     **gates: str | Path,
@@ -231,6 +253,7 @@ def run_assemble_release(
             error=ReleaseInputError,
         )
     gate_docs = read_gate_documents(recipe, gates)
+    report, plots = read_report(kld_report)
     reference_dir = _keyed_dir(reference, "reference_logits")
     prompt_dir = _keyed_dir(prompt, "pin_prompt")
     hashes = release_hashes(prompt_dir, reference_dir, checkpoint_dir)
@@ -252,6 +275,8 @@ def run_assemble_release(
     files = [p.as_posix() for p in checkpoint_files(checkpoint_dir)]
     extra = [RECIPE_FILE] + ([PLACEMENT_AUDIT] if placement_audit is not None else [])
     extra += [gate_file_name(doc["candidate"], doc["kv_cache_dtype"]) for _, doc in gate_docs]
+    extra += [f"{KLD_DIR}/{REPORT_JSON}"] if report is not None else []
+    extra += [f"{KLD_DIR}/{plot.name}" for plot in plots]
     shipped_reference = [
         f"{RELEASE_REFERENCE_DIR}/{LOGITS_FILE}",
         f"{RELEASE_REFERENCE_DIR}/{PROMPT_FILE}",
@@ -274,6 +299,7 @@ def run_assemble_release(
         weight_bytes=sum(
             (checkpoint_dir / name).stat().st_size for name in files if name.endswith(".safetensors")
         ),
+        report=report,
     )
     card = model_card(inputs)
     header = [
@@ -297,6 +323,8 @@ def run_assemble_release(
             reference_doc=reference_doc,
             numerics=numerics,
             card=card,
+            report=report,
+            plots=plots,
         )
         summary.update(
             hashes={name: record.sha256 for name, record in hashes.items()},

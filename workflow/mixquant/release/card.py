@@ -22,9 +22,17 @@ from mixquant.formats.facts import BF16, FP8, NVFP4
 from mixquant.formats.facts import ROUTED_FORMAT_BITS as FORMAT_BITS
 from mixquant.kld.report import comparison_table, table_markdown
 from mixquant.kld.run import LOGITS_FILE
+from mixquant.kld.suite_tables import comparison_rows
 from mixquant.model.families import DEFAULT_MODEL_TYPE
 from mixquant.model.layout import INDEX_FILE
 from mixquant.numerics import fingerprint_differences
+from mixquant.release.card_kld import (
+    intro_text,
+    limitation_line,
+    suite_gates,
+    suite_lines,
+    verdict_words,
+)
 from mixquant.release.hashes import (
     HASH_KINDS,
     HASH_NAMES,
@@ -77,6 +85,7 @@ class CardInputs:
     files: Sequence[str] = ()  # the bundle's files (besides README.md)
     numerics: Mapping[str, Any] | None = None  # the reference logits' decisive numerics fingerprint
     weight_bytes: int | None = None  # the checkpoint's *.safetensors files, in bytes on disk
+    report: Mapping[str, Any] | None = None  # kld_report's report.json: suite facts, decomposition, domains
 
 
 # ------------------------------------------------------------------------------------------ naming
@@ -298,49 +307,69 @@ def _with_bits_column(table: str, bits: Sequence[str]) -> list[str]:
 
 def _kld_section(inputs: CardInputs) -> list[str]:
     kld = inputs.recipe["kld"]
-    rows = [
-        {
-            "candidate": g["candidate"],
-            "kv_cache_dtype": g["kv_cache_dtype"],
-            "aggregate": g["aggregate"],
-            "improvement": g["improvement"],
-            "gates": g["verdict"] if g["verdict"]["checks"] else None,
-        }
-        for g in inputs.gates
+    bits = [_bits_text(candidate_bits(inputs, g)) for g in inputs.gates]
+    suite = bool(suite_gates(inputs.gates))
+    row_bits = [
+        b for g, b in zip(inputs.gates, bits, strict=True) for _ in range(1 + (g.get("suite") is not None))
     ]
-    released = released_candidates(inputs.recipe)
-    baseline = kld["baseline"]
-    lines = ["## KL divergence vs BF16", ""]
-    lines.append(
+    prompt = (
         f"KL(BF16 ‖ candidate) over the full vocabulary at each of the pinned prompt's "
-        f"{inputs.recipe['prompt']['seq_len'] - 1:,} positions; {kld['runs']} fresh-engine runs per "
-        f"candidate and KV-cache dtype on the `{kld['engine']}` engine (tensor parallel "
-        f"{kld['tensor_parallel_size']}, {kld['dtype']}, eager, seed {kld['seed']}, no prefix cache)."
-        + (
-            f" Reduction: mean KLD relative to the baseline `{baseline}`, with a paired bootstrap "
-            f"{kld['gates']['confidence']:.0%} interval."
-            if baseline
-            else ""
-        )
-        + " bits: the candidate's routed-expert effective bits (numel-weighted; BF16 counts 16); compare "
-        "KLD at equal bits."
+        f"{inputs.recipe['prompt']['seq_len'] - 1:,} positions"
     )
-    highlights = []
-    for name in released:
-        for g in inputs.gates:
-            if g["candidate"] != name or not g["improvement"]:
-                continue
-            imp = g["improvement"]
-            highlights += [
-                f"- **{name}** (this checkpoint, {_bits_text(candidate_bits(inputs, g))} bits), "
-                f"{g['kv_cache_dtype']} KV cache: mean KLD "
-                f"{g['aggregate']['mean_kld']:.6g}, {_pct(imp['reduction'])} below `{baseline}` "
-                f"[{_pct(imp['ci_low'])}, {_pct(imp['ci_high'])}]",
-            ]
+    reduction = ""
+    if kld["baseline"]:
+        where = " (over windows on the suite, over positions on the prompt)" if suite else ""
+        reduction = (
+            f" Reduction: mean KLD relative to the baseline `{kld['baseline']}`, with a paired bootstrap "
+            f"{kld['gates']['confidence']:.0%} interval{where}."
+        )
+    lines = ["## KL divergence vs BF16", ""]
+    if suite:
+        lines += [intro_text(inputs.recipe, inputs.gates), ""]
+    lines.append(
+        ("Both protocols:" if suite else f"{prompt};")
+        + f" {kld['runs']} fresh-engine runs per candidate and KV-cache dtype on the `{kld['engine']}` "
+        f"engine (tensor parallel {kld['tensor_parallel_size']}, {kld['dtype']}, eager, seed {kld['seed']}, "
+        f"no prefix cache).{reduction} bits: the candidate's routed-expert effective bits (numel-weighted; "
+        "BF16 counts 16); compare KLD at equal bits."
+    )
+    highlights = _highlights(inputs, bits, suite)
     if highlights:
         lines += ["", *highlights]
-    bits = [_bits_text(candidate_bits(inputs, g)) for g in inputs.gates]
-    lines += ["", *_with_bits_column(table_markdown(comparison_table(rows)), bits)]
+    lines += [
+        "",
+        *_with_bits_column(table_markdown(comparison_table(comparison_rows(inputs.gates))), row_bits),
+    ]
+    if suite:
+        lines += suite_lines(inputs.recipe, inputs.gates, inputs.report, inputs.files)
+        lines += [
+            "",
+            "### The published-hash protocol: the pinned prompt",
+            "",
+            f"{prompt} (the `prompt` rows above), with a paired bootstrap over its positions: reported, not "
+            "gated. Its token IDs and BF16 reference logits are the published hashes that `mixquant verify` "
+            "reproduces (Provenance below).",
+        ]
+    return lines
+
+
+def _highlights(inputs: CardInputs, bits: Sequence[str], suite: bool) -> list[str]:
+    """This checkpoint's mean KLD and reduction vs the baseline per KV dtype: on the suite (with the verdict
+    word) when it gated, else on the prompt."""
+    lines = []
+    released = released_candidates(inputs.recipe)
+    for g, text in zip(inputs.gates, bits, strict=True):
+        measured = g.get("suite") if suite else None
+        imp = measured["improvement"] if measured else g["improvement"]
+        if g["candidate"] not in released or not imp:
+            continue
+        mean = measured["mean"]["mean"] if measured else g["aggregate"]["mean_kld"]
+        word = f": {g['verdict']['word']}" if measured and g["verdict"].get("word") else ""
+        lines.append(
+            f"- **{g['candidate']}** (this checkpoint, {text} bits), {g['kv_cache_dtype']} KV cache: mean "
+            f"KLD {mean:.6g}{' on the suite' if measured else ''}, {_pct(imp['reduction'])} below "
+            f"`{inputs.recipe['kld']['baseline']}` [{_pct(imp['ci_low'])}, {_pct(imp['ci_high'])}]{word}"
+        )
     return lines
 
 
@@ -432,7 +461,7 @@ def _status_section(inputs: CardInputs) -> list[str]:
     lines = ["## Status and limitations", ""]
     lines.append(
         f"- KLD gates: {'all passed' if verdict.get('passed') else 'FAILED'} ({checked} candidate × KV "
-        "checks, `check_kld_gates`)."
+        f"checks{verdict_words(inputs.gates)}, `check_kld_gates`)."
     )
     if recipe["kld"]["engine"] == "hf":
         lines.append(
@@ -462,7 +491,7 @@ def _status_section(inputs: CardInputs) -> list[str]:
             )
         )
     lines += _published_numerics_lines(inputs)
-    lines.append("- The KLD protocol is one pinned prompt; it is not a task benchmark.")
+    lines.append(limitation_line(inputs.recipe, inputs.gates))
     return lines
 
 

@@ -1,5 +1,6 @@
 """What a finished run made, read from its outputs: the placement and its routed effective bits, each KLD
-gate's verdict and KL reduction, verify's counts. Printed at the end of a successful run (the Snakefile's
+gate's verdict word and KL reduction (on the evaluation suite, with its interval, where the gate judged one),
+verify's counts. Printed at the end of a successful run (the Snakefile's
 onsuccess, mixquant.planning.report_run_end), before where the release and the checkpoint are."""
 
 from __future__ import annotations
@@ -42,15 +43,44 @@ def placement_line(art: Artifact) -> str:
     return line + (f"; layers: {layers}" if layers else "")
 
 
+def verdict_word(verdict: Mapping[str, Any]) -> str:
+    """A gate's verdict as the summary says it: its word (pass, FAIL, REPEAT-REQUIRED; "not gated" with no
+    check), or passed / FAILED for a verdict recorded without a word."""
+    word = verdict.get("word")
+    if word is None:
+        return "passed" if verdict.get("passed") else "FAILED"
+    if not verdict.get("checks"):
+        return "not gated"
+    return word if word == "pass" else str(word).upper()
+
+
+def _number(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "?"
+
+
+def _interval(estimate: Mapping[str, Any], spec: str) -> str:
+    return f"[{_number(estimate.get('ci_low'), spec)}, {_number(estimate.get('ci_high'), spec)}]"
+
+
 def gate_line(art: Artifact) -> str:
-    """One KLD gate: candidate and KV-cache dtype, verdict, mean KL and the reduction vs the baseline."""
+    """One KLD gate: candidate and KV-cache dtype, verdict, mean KL and the reduction vs the baseline; on the
+    evaluation suite with their window-level intervals when the gate judged one, else on the prompt."""
     gate = read_json(art.path / AGGREGATE_JSON, "KLD gate")
-    verdict = "passed" if (gate.get("verdict") or {}).get("passed") else "FAILED"
-    mean_kld = (gate.get("aggregate") or {}).get("mean_kld")
-    shown = f"mean KL {mean_kld:.3g}" if isinstance(mean_kld, (int, float)) else "mean KL ?"
-    reduction = (gate.get("improvement") or {}).get("reduction")
+    verdict = verdict_word(gate.get("verdict") or {})
+    suite = gate.get("suite")
+    if suite:
+        mean = suite.get("mean") or {}
+        shown = f"mean KL {_number(mean.get('mean'), '.3g')} on the suite {_interval(mean, '.3g')}"
+        improvement = suite.get("improvement") or {}
+    else:
+        mean_kld = (gate.get("aggregate") or {}).get("mean_kld")
+        shown = f"mean KL {_number(mean_kld, '.3g')}"
+        improvement = gate.get("improvement") or {}
+    reduction = improvement.get("reduction")
     if isinstance(reduction, (int, float)) and gate.get("baseline"):  # 1 - mean(candidate) / mean(baseline)
-        shown += f" ({abs(reduction):.1%} {'lower' if reduction >= 0 else 'higher'} than {gate['baseline']})"
+        interval = f" {_interval(improvement, '.1%')}" if suite else ""
+        than = "lower" if reduction >= 0 else "higher"
+        shown += f" ({abs(reduction):.1%} {than} than {gate['baseline']}{interval})"
     return f"gate {gate.get('candidate', '?')} kv {gate.get('kv_cache_dtype', '?')}: {verdict}, {shown}"
 
 

@@ -14,8 +14,14 @@ back out of it. How ModelOpt computes them (``modelopt/torch/quantization/algori
   with any disabled member gets the single choice no-quant and is not configurable, so it is never scored
   (``insert_hparams_after_merge_rules``). Patterns cannot express "everything except", so we pass the exact
   names of all modules that own parameters (every auto-quantize module -- quantized Linear/Conv or fused
-  experts -- does) other than the target experts. Disabled groups still sit in ``candidate_stats`` and in
-  the cost denominator of the effective-bits constraint (at 16 bits).
+  experts -- does) other than the target experts. Disabled groups still sit in ``candidate_stats`` and, by
+  default, in the cost denominator of the effective-bits constraint (at 16 bits).
+* **Budget.** With a ``cost_model`` the same exact names go to the constraint's
+  ``cost.excluded_module_name_patterns`` (``_auto_quantize_cost.py``: a group all of whose modules match
+  costs 0), so the denominator is the target experts alone -- mixquant's routed effective bits. ``numel``
+  maps to ModelOpt's ``"weight"`` cost model, ``active_moe`` to ``"active_moe"`` with mixquant's
+  ``top_k / num_experts`` as ``active_moe_expert_ratio`` (the shipped recipe
+  ``general/auto_quantize/w4a16_nvfp4_fp8_at_6p0bits-active_moe.yaml`` sets it the same way).
 * **Calibration** (``before_search``): per preset, every group is switched to that preset at once
   (``set_calibration_recipe``) and ``calibrate(algorithm="max")`` runs ``num_calib_steps`` batches.
   Calibration forwards run with fake quantization *disabled* (``enable_stats_collection`` calls
@@ -57,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -72,13 +79,15 @@ from mixquant.formats.cpu_fake_quant import cpu_nvfp4_fake_quant  # noqa: E402
 from mixquant.formats.facts import BF16, FP8, NVFP4  # noqa: E402
 from mixquant.model.families import experts_module_name, moe_experts  # noqa: E402
 
-__all__ = ["BF16", "MODELOPT_FORMATS", "modelopt_kl_div_scores"]
+__all__ = ["BF16", "MODELOPT_COST_MODELS", "MODELOPT_FORMATS", "modelopt_kl_div_scores"]
 
 # ModelOpt's shipped presets (max calibration); deep-copied at use so ModelOpt's shared dicts stay intact.
 MODELOPT_FORMATS: dict[str, dict[str, Any]] = {
     NVFP4: mtq.W4A16_NVFP4_CFG,
     FP8: mtq.FP8_DEFAULT_CFG,
 }
+# placement.cost_model -> ModelOpt 0.47's constraints["cost_model"]
+MODELOPT_COST_MODELS = {"numel": "weight", "active_moe": "active_moe"}
 
 
 @contextlib.contextmanager
@@ -106,6 +115,9 @@ def modelopt_kl_div_scores(
     formats: list[str],
     batch_size: int,
     effective_bits: float = 16.0,
+    cost_model: str | None = None,
+    active_moe_expert_ratio: float | None = None,
+    in_place: bool = False,
     progress: bool = False,
 ) -> dict:
     """Run ``mtq.auto_quantize(method="kl_div")`` on a deep copy of ``model``, searching only the routed
@@ -115,8 +127,11 @@ def modelopt_kl_div_scores(
     may be smaller); every batch is used both to calibrate (``num_calib_steps``) and to score
     (``num_score_steps``); ``forward_step`` is ``model(input_ids=batch, use_cache=False).logits``.
     Runs under ``torch.inference_mode`` and, without CUDA, the CPU NVFP4 fake quant. ``model`` is not
-    modified. ``effective_bits`` is the constraint of ModelOpt's minimax placement (``selection``); note
-    that ModelOpt's cost denominator counts every auto-quantize module of the model (disabled ones at 16).
+    modified (``in_place=True`` searches on ``model`` itself instead of a copy: it is left quantized).
+    ``effective_bits`` is the constraint of ModelOpt's minimax placement (``selection``). With
+    ``cost_model`` None ModelOpt's cost denominator counts every auto-quantize module of the model (disabled
+    ones at 16); with ``"numel"`` or ``"active_moe"`` (``active_moe_expert_ratio`` required) only the
+    target experts, as mixquant's budget does.
 
     Returns (layers as ``int``, formats as given plus ``"bf16"`` for no-quant)::
 
@@ -125,11 +140,13 @@ def modelopt_kl_div_scores(
          "costs": {layer: {fmt: float}},           # weight numel * compression
          "selection": {layer: fmt},                # ModelOpt's minimax pick at effective_bits
          "selection_satisfied": bool,              # whether that pick meets the constraint
-         "cost_denominator": float,                # uncompressed cost of every auto-quantize module
+         "cost_denominator": float,                # uncompressed cost of every costed module
+         "effective_bits": float,                  # ModelOpt's own effective bits of its selection
+         "constraints": dict,                      # what auto_quantize was given
          "tokens": int, "batches": int, "modelopt_version": str}
 
-    Raises ``RuntimeError`` when the searched groups are not exactly the experts of ``layers`` or the
-    experts implementation is not eager.
+    Raises ``RuntimeError`` when the searched groups are not exactly the experts of ``layers``, the
+    experts implementation is not eager or (with a ``cost_model``) the cost denominator is not the experts'.
     """
     import modelopt
     from modelopt.torch.opt.utils import named_hparams
@@ -143,6 +160,14 @@ def modelopt_kl_div_scores(
     if not layers or not set(layers) <= set(moe):
         raise ValueError(f"layers must be a non-empty subset of the MoE layers {moe}, got {layers}")
     batches = calibration_batches(calibration_ids, batch_size)
+    if cost_model is not None and cost_model not in MODELOPT_COST_MODELS:
+        raise ValueError(
+            f"cost_model must be one of {sorted(MODELOPT_COST_MODELS)} or None, got {cost_model!r}"
+        )
+    if cost_model == "active_moe" and not (active_moe_expert_ratio and 0 < active_moe_expert_ratio <= 1):
+        raise ValueError(
+            f"cost_model active_moe needs active_moe_expert_ratio in (0, 1], got {active_moe_expert_ratio}"
+        )
 
     targets = {experts_module_name(layer): layer for layer in layers}
     # Every auto-quantize module owns parameters; list all other such modules by exact name.
@@ -153,14 +178,20 @@ def modelopt_kl_div_scores(
     ]
     recipe_format = {QuantRecipe(quant_cfg=copy.deepcopy(MODELOPT_FORMATS[f])): f for f in formats}
     recipe_format[QuantRecipe(quant_cfg=None)] = BF16
+    constraints: dict[str, Any] = {"effective_bits": float(effective_bits)}
+    if cost_model is not None:
+        constraints["cost_model"] = MODELOPT_COST_MODELS[cost_model]
+        constraints["cost"] = {"excluded_module_name_patterns": list(disabled)}
+        if cost_model == "active_moe":
+            constraints["cost"]["active_moe_expert_ratio"] = float(active_moe_expert_ratio)
 
-    work = copy.deepcopy(model)
+    work = model if in_place else copy.deepcopy(model)
     work.eval()
     patch = cpu_nvfp4_fake_quant() if not torch.cuda.is_available() else contextlib.nullcontext()
     with _quiet(not progress), patch, torch.inference_mode():
         work, state = mtq.auto_quantize(
             work,
-            constraints={"effective_bits": float(effective_bits)},
+            constraints=copy.deepcopy(constraints),
             quantization_formats=[copy.deepcopy(MODELOPT_FORMATS[f]) for f in formats],
             data_loader=batches,
             forward_step=_forward_step,
@@ -195,6 +226,8 @@ def modelopt_kl_div_scores(
         "selection": {},
         "selection_satisfied": bool(state["best"]["is_satisfied"]),
         "cost_denominator": float(state["cost_denominator"]),
+        "effective_bits": float(state["best"]["constraints"]["effective_bits"]),
+        "constraints": constraints,
         "tokens": int(calibration_ids.numel()),
         "batches": len(batches),
         "modelopt_version": modelopt.__version__,
@@ -218,4 +251,9 @@ def modelopt_kl_div_scores(
         result["clamped_scores"][layer] = {fmt: float(clamped[fmt]) for fmt in [*formats, BF16]}
         result["costs"][layer] = {fmt: float(costs[fmt]) for fmt in [*formats, BF16]}
         result["selection"][layer] = recipe_format[state["best"]["recipe"][name]]
+    experts_cost = math.fsum(costs[BF16] for costs in result["costs"].values())
+    if cost_model is not None and not math.isclose(result["cost_denominator"], experts_cost, rel_tol=1e-12):
+        raise RuntimeError(
+            f"auto_quantize cost denominator {result['cost_denominator']} is not the experts' {experts_cost}"
+        )
     return result
