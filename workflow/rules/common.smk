@@ -184,6 +184,9 @@ try:
 except (ValueError, OSError) as error:
     sys.exit(f"mixquant: {CONFIG_SOURCE}: {error}")
 _PLACED = {}
+# Whether ModelOpt's AutoQuantize placement was built when ART was resolved (its artifact's `done` reads the
+# disk, and turns true mid-run once its job finishes: ART still lacks what follows it).
+PLACED_AT_START = {"autoquantize": "autoquantize" in ART and ART["autoquantize"].done}
 
 
 def placed_artifacts():
@@ -192,11 +195,13 @@ def placed_artifacts():
 
     With a search, that needs solve_placement's result: the checkpoint's .get() raises until it is
     built, and Snakemake re-evaluates the DAG after it (then placement.json is read)."""
-    if "checkpoint" in ART and ("autoquantize" not in ART or ART["autoquantize"].done):
-        return ART
+    if "checkpoint" in ART and (
+        "autoquantize" not in ART or PLACED_AT_START["autoquantize"]
+    ):
+        return ART  # every placement was known when the graph was resolved
     if "checkpoint" not in ART:
         checkpoints.solve_placement.get()
-    if "autoquantize" in ART:
+    if "autoquantize" in ART and not PLACED_AT_START["autoquantize"]:
         checkpoints.autoquantize_placement.get()
     if "graph" not in _PLACED:
         _PLACED["graph"] = resolve_artifacts(
