@@ -1,10 +1,10 @@
 """Benchmark: the searched placement vs ModelOpt's own AutoQuantize placement, on KL over held-out windows.
 
-Usage: .venv/bin/python benchmarks/bench_autoquantize_families.py [--layers 8] [--target 6.0]
+Usage: .venv/bin/python benchmarks/bench_autoquantize_families.py [--target 6.0]
        [--calibration 32x128] [--windows 8] [--window-tokens 128] [--models toy,qwen3_moe,...] [--threads 1]
 
-Models: the toy (data/toy-laguna, trained, 8 MoE layers) and each supported model type's small random
-instance (tests/families/family_models.py ``make_instance(model_type, seed=0, num_hidden_layers=--layers)``).
+Models: the toy (data/toy-laguna, trained, 8 MoE layers) and each supported family's trained instance
+(data/instances/<model_type>: trained on the shipped corpus by the toy's recipe, 8 MoE layers each).
 Per model, on the same calibration tokens (``--calibration`` N x T from data/corpus/python-stdlib-chat.jsonl
 through the toy's tokenizer: ``sample_calibration``, seed 0, pack) and the same budget (``--target`` routed
 effective bits, cost model numel):
@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -47,7 +46,6 @@ import torch
 warnings.filterwarnings("ignore")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "families"))
 
 TOY = REPO / "data" / "toy-laguna"
 CORPUS = REPO / "data" / "corpus" / "python-stdlib-chat.jsonl"
@@ -247,7 +245,6 @@ def row(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of each family instance")
     parser.add_argument("--target", type=float, default=6.0, help="routed effective bits")
     parser.add_argument("--calibration", default="32x128", help="calibration samples x tokens")
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows per domain")
@@ -258,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from family_models import make_instance
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOY))
@@ -269,28 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"budget {args.target} routed effective bits (numel); rebuild numerics NVFP4 fp8_sweep, FP8 mse; "
-        f"family instances: make_instance(seed=0, num_hidden_layers={args.layers}); {args.threads} thread(s)"
+        f"family instances: data/instances (trained); {args.threads} thread(s)"
     )
     results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in args.models.split(","):
-            model_dir = (
-                TOY
-                if name == "toy"
-                else make_instance(name, Path(scratch) / name, seed=0, num_hidden_layers=args.layers)
-            )
-            result = bench_model(name, model_dir, ids, windows, domains, args)
-            results.append(result)
-            per_domain = ", ".join(
-                f"{domain} {100 * v['reduction']:+.1f}% [{100 * v['ci_low']:+.1f}, {100 * v['ci_high']:+.1f}]"
-                for domain, v in result["bootstrap"]["domains"].items()
-            )
-            searched, autoquantize = layout(result["searched"]), layout(result["autoquantize"])
-            print(
-                f"{name}: searched {searched} | autoquantize {autoquantize} | per-domain reduction "
-                f"{per_domain} ({result['seconds']:.0f} s)",
-                flush=True,
-            )
+    for name in args.models.split(","):
+        model_dir = TOY if name == "toy" else REPO / "data" / "instances" / name
+        result = bench_model(name, model_dir, ids, windows, domains, args)
+        results.append(result)
+        per_domain = ", ".join(
+            f"{domain} {100 * v['reduction']:+.1f}% [{100 * v['ci_low']:+.1f}, {100 * v['ci_high']:+.1f}]"
+            for domain, v in result["bootstrap"]["domains"].items()
+        )
+        searched, autoquantize = layout(result["searched"]), layout(result["autoquantize"])
+        print(
+            f"{name}: searched {searched} | autoquantize {autoquantize} | per-domain reduction "
+            f"{per_domain} ({result['seconds']:.0f} s)",
+            flush=True,
+        )
     print()
     print(HEADER)
     print("|---" * HEADER.count(" | ") + "|---|")

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tools" / "gpu_check.py"
-SECTIONS = ("h2d", "laguna_layer", "stacked_branches", "lm_head_kl", "toy_gpu_vs_cpu")
+SECTIONS = ("h2d", "laguna_layer", "stacked_branches", "lm_head_kl", "toy_gpu_vs_cpu", "gptq")
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,16 @@ def test_toy_comparisons_are_bit_equal_cpu_vs_cpu(report):
     assert set(scores["kl_sum_cpu"]) == {str(layer) for layer in range(1, 9)}
     assert all(positive(value) for value in scores["kl_sum_cpu"].values())
     assert all(value == 0.0 for value in scores["relative_difference"].values())
-    for part in ("nvfp4_codes", "fp8_codes"):
+    for part in ("nvfp4_codes", "fp8_codes", "nvfp4_gptq_codes"):
         codes = toy[part]
         assert codes["bit_equal"] is True and codes["differing_tensors"] == 0, codes
         assert codes["layers"] == list(range(1, 9)) and codes["tensors"] == 8 * 16 * 3 * 3
     assert toy["nvfp4_codes"]["block_scale_elements"] > 0
     assert toy["nvfp4_codes"]["differing_block_scale_elements"] == 0
+
+
+def test_gptq_section_times_batches_of_experts(report):
+    gptq = report["sections"]["gptq"]
+    assert set(gptq["cases"]) == {"1", "2"}
+    for case in gptq["cases"].values():
+        assert case["shape"] == [64, 64] and positive(case["s_per_expert"])

@@ -15,7 +15,9 @@ runs, and a section that would start too close to ``--budget-s`` is ``{"skipped"
   ``mixquant.search.branches`` stacks live branches (``stack=True``): time per branch-sequence;
 * ``lm_head_kl``: lm_head + float32 log_softmax + KL sum per token chunk (``mixquant.search.score.kl_sum``);
 * ``toy_gpu_vs_cpu``: the shipped toy checkpoint through the library on the device vs the CPU --
-  activation statistics, branch-parallel KL scores and the NVFP4 / FP8 exported bytes.
+  activation statistics, branch-parallel KL scores and the NVFP4 (round-to-nearest and GPTQ) / FP8
+  exported bytes;
+* ``gptq``: GPTQ rounding of 1..32 Laguna-shaped experts as one batch: seconds per expert, peak memory.
 
 The numerics profile is entered first (``mixquant.numerics.enter``, as a workflow stage does), so the
 CUDA side runs with ``torch.use_deterministic_algorithms(True)``; an op refused under it is listed in
@@ -82,6 +84,9 @@ class Sizes:
     toy_sequences: int = 16
     toy_seq_len: int = 256
     toy_batch: int = 8
+    # GPTQ rounding: experts of gate/up [2I, H] rounded as one batch, each with its own Hessian
+    gptq_shape: tuple[int, int] = (3072, 1024)  # Laguna-S-2.1's (H, I)
+    gptq_experts: tuple[int, ...] = (1, 8, 32)
 
 
 FULL = Sizes(
@@ -119,6 +124,8 @@ SMALL = Sizes(
     toy_sequences=8,
     toy_seq_len=64,
     toy_batch=4,
+    gptq_shape=(64, 32),
+    gptq_experts=(1, 2),
 )
 # Seconds a section needs at least on the device; it is skipped when less of the budget is left.
 RESERVE_S = {"h2d": 15, "laguna_layer": 45, "stacked_branches": 45, "lm_head_kl": 15, "toy_gpu_vs_cpu": 60}
@@ -854,14 +861,25 @@ def compare_activation_stats(run: Run, ids) -> dict:
     }
 
 
-def quantize_toy(layer: int, fmt: str, device: str) -> tuple[dict, float]:
+GPTQ_SETTINGS = {"damping": 0.01, "block_size": 128, "order": "natural", "min_tokens": 8}
+
+
+def quantize_toy(layer: int, fmt: str, device: str, expert_inputs: Path | None = None) -> tuple[dict, float]:
+    """One toy layer in ``fmt`` (NVFP4 rounded with GPTQ when ``expert_inputs`` is given)."""
     import torch
+    from mixquant.quantize.expert_inputs import expert_inputs_file
     from mixquant.quantize.layer import quantize_layer
 
     params = {"calibration": "fp8_sweep"} if fmt == NVFP4 else {"weight_calibration": "mse"}
+    inputs = None
+    if expert_inputs is not None:
+        params = {**params, "rounding": "gptq", "gptq": GPTQ_SETTINGS}
+        inputs = expert_inputs_file(expert_inputs, layer)
     amax = {"gate_up": torch.tensor(1.0), "down": torch.tensor(1.0)} if fmt == FP8 else None
     start = time.monotonic()
-    tensors, _audit = quantize_layer(TOY_DIR, layer, fmt, params, activation_amax=amax, device=device)
+    tensors, _audit = quantize_layer(
+        TOY_DIR, layer, fmt, params, activation_amax=amax, expert_inputs=inputs, device=device
+    )
     return tensors, time.monotonic() - start
 
 
@@ -895,14 +913,16 @@ def compare_codes(reference: dict[int, dict], other: dict[int, dict]) -> dict:
     }
 
 
-def codes_section(run: Run, fmt: str, cpu_tensors: dict[int, dict] | None) -> dict:
+def codes_section(
+    run: Run, fmt: str, cpu_tensors: dict[int, dict] | None, expert_inputs: Path | None = None
+) -> dict:
     layers = toy_moe_layers()
     cpu_s = None
     if cpu_tensors is None:
-        runs = {layer: quantize_toy(layer, fmt, "cpu") for layer in layers}
+        runs = {layer: quantize_toy(layer, fmt, "cpu", expert_inputs) for layer in layers}
         cpu_tensors = {layer: tensors for layer, (tensors, _s) in runs.items()}
         cpu_s = sum(seconds for _t, seconds in runs.values())
-    other = {layer: quantize_toy(layer, fmt, run.args.device) for layer in layers}
+    other = {layer: quantize_toy(layer, fmt, run.args.device, expert_inputs) for layer in layers}
     result = compare_codes(cpu_tensors, {layer: tensors for layer, (tensors, _s) in other.items()})
     return {
         "format": fmt,
@@ -1017,7 +1037,18 @@ def section_toy_gpu_vs_cpu(run: Run) -> dict:
 
         out["nvfp4_codes"] = budgeted(run, 20, "toy/nvfp4_codes", nvfp4_codes)
     out["fp8_codes"] = budgeted(run, 20, "toy/fp8_codes", lambda: codes_section(run, FP8, None))
-    parts = ("activation_stats", "scores", "nvfp4_codes", "fp8_codes")
+
+    def gptq_codes() -> dict:
+        import tempfile
+
+        from mixquant.quantize.expert_inputs import collect_expert_inputs
+
+        with tempfile.TemporaryDirectory() as scratch:
+            collect_expert_inputs(TOY_DIR, ids, scratch, batch_size=run.sizes.toy_batch, progress=False)
+            return codes_section(run, NVFP4, None, Path(scratch))
+
+    out["nvfp4_gptq_codes"] = budgeted(run, 30, "toy/nvfp4_gptq_codes", gptq_codes)
+    parts = ("activation_stats", "scores", "nvfp4_codes", "fp8_codes", "nvfp4_gptq_codes")
     out["summary"] = ", ".join(f"{part} {verdict(out[part])}" for part in parts)
     return out
 
@@ -1038,12 +1069,54 @@ def verdict(part: dict) -> str:
 
 # ----------------------------------------------------------------------------------------- main
 
+
+def section_gptq(run: Run) -> dict:
+    """GPTQ rounding of a layer's experts at the Laguna-S-2.1 shape, a batch of them at a time (one column
+    step for all, as quantize_layer rounds them): seconds per expert and per 256-expert layer, peak memory;
+    the cost model's estimate beside it (mixquant.costs.rebuild.gptq_layer_cost's GPU terms)."""
+    import torch
+    from mixquant.formats.nvfp4_gptq import gptq_nvfp4
+
+    hidden, inter = run.sizes.gptq_shape
+    device = run.device
+    cases = {}
+    for experts in run.sizes.gptq_experts:
+        if not within_budget(run, 30):
+            cases[str(experts)] = {"skipped": "time budget"}
+            continue
+
+        def case(experts: int = experts) -> dict:
+            generator = torch.Generator(device="cpu").manual_seed(experts)
+            weight = (torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.02).to(
+                device, torch.bfloat16
+            )
+            x = torch.randn(experts, 4 * hidden, hidden, generator=generator, dtype=torch.float64).to(device)
+            hessian = x.transpose(-1, -2) @ x
+            del x
+            scale = torch.full((experts, 2 * inter, hidden), 0.004, device=device)
+            base = reset_peak(device)
+            times = timed(lambda: gptq_nvfp4(weight, hessian, scale), device, repeats=1, warmup=0)
+            per_expert = min(times) / experts
+            return {
+                "experts": experts,
+                "shape": [2 * inter, hidden],
+                "s": min(times),
+                "s_per_expert": per_expert,
+                "s_per_256_expert_layer_gate_up": per_expert * 256,
+                **peak_gib(device, base),
+            }
+
+        cases[str(experts)] = run.guarded(f"gptq/{experts}", case)
+    return {"cases": cases, "note": "gate/up only; the down projection is (I/H)^2 of it per column step"}
+
+
 SECTIONS: dict[str, Callable[[Run], dict]] = {
     "h2d": section_h2d,
     "laguna_layer": section_laguna_layer,
     "stacked_branches": section_stacked_branches,
     "lm_head_kl": section_lm_head_kl,
     "toy_gpu_vs_cpu": section_toy_gpu_vs_cpu,
+    "gptq": section_gptq,
 }
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from mixquant.model.instances import publish_dtypes
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "data" / "toy-laguna"
@@ -79,13 +80,14 @@ def make_instance(model_type: str, out: Path, *, seed: int = 0, **overrides) -> 
     Routers are scaled up so tokens spread over the experts, correction biases are random, a few expert
     weights are outliers and the lm_head is sharp, so that quantization errors and KL scores are well
     above rounding noise. ``overrides``: config settings beyond the family's (e.g. ``head_dim=32``, what
-    vLLM's CPU attention needs)."""
+    vLLM's CPU attention needs). What the class keeps in float32 and the publisher ships in BF16 (DeepSeek's
+    routers) is rewritten to the published dtype (:func:`mixquant.model.instances.publish_dtypes`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **{**COMMON, **SPECS[model_type], **overrides})
     torch.manual_seed(seed)
     # bf16 as published; what the class keeps in float32 (the routers of DeepSeek, GLM) is written as the
-    # publishers write it (_publish_dtypes)
+    # publishers write it (publish_dtypes)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -104,32 +106,7 @@ def make_instance(model_type: str, out: Path, *, seed: int = 0, **overrides) -> 
                 buffer.normal_(0.0, 0.05, generator=generator)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    _publish_dtypes(model_type, out)
+    publish_dtypes(model_type, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOY / name, out / name)
     return out
-
-
-# Tensors a publisher writes in another dtype than transformers' class holds them in. DeepSeek-V3 ships its
-# routers' weights in BF16 (the hub's float32 bytes are the weight_scale_inv tensors and the 58 x 256
-# correction biases and nothing else), while DeepseekV3TopkRouter holds its weight in float32 and
-# save_pretrained writes it so: the instance is rewritten to the publisher's dtypes.
-PUBLISHED_DTYPES = {"deepseek_v3": {".mlp.gate.weight": torch.bfloat16}}
-
-
-def _publish_dtypes(model_type: str, out: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    casts = PUBLISHED_DTYPES.get(model_type, {})
-    if not casts:
-        return
-    for shard in sorted(out.glob("*.safetensors")):
-        tensors = load_file(shard)
-        for name, tensor in tensors.items():
-            for suffix, dtype in casts.items():
-                if name.endswith(suffix):
-                    tensors[name] = tensor.to(dtype)
-        save_file(tensors, shard, metadata={"format": "pt"})
-    index = out / "model.safetensors.index.json"
-    if index.exists():
-        raise AssertionError(f"{index}: a sharded instance needs its total_size recomputed")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import FAMILY, PUBLISHED_DTYPES, SPECS, make_instance
+from family_models import FAMILY, SPECS, make_instance
 from mixquant.model.families import UnsupportedArchitecture, architecture
+from mixquant.model.instances import PUBLISHED_DTYPES
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))

@@ -169,7 +169,7 @@ def test_preimage_names_code_and_packages(raw):
 # ------------------------------------------------------------------------------------------ search
 
 
-SEARCH_KEYS = ("method", "calibration", "pins", "batch_size", "macro_batch", "stack_branches")
+SEARCH_KEYS = ("method", "calibration", "pins", "batch_size", "macro_batch", "stack_branches", "refine")
 
 
 def edited_placement(raw_config, **values):
@@ -470,3 +470,79 @@ def test_autoquantize_key_holds_the_budget_and_cost_model_not_the_solver(shipped
     assert key(method="minimax") == base  # ModelOpt selects its own way
     for change in ({"target_effective_bits": 7.0}, {"cost_model": "active_moe"}, {"batch_size": 4}):
         assert key(**change) != base, change
+
+
+def with_rounding(raw_config: dict, **gptq) -> dict:
+    out = copy.deepcopy(raw_config)
+    out["quantize"]["nvfp4_w4a16"].update(rounding="gptq", gptq=gptq)
+    return out
+
+
+def test_rtn_keeps_the_nvfp4_slice_it_always_had(raw):
+    """The default rounding (rtn) adds nothing to the NVFP4 windows' key slice, so the GPTQ knobs (unused)
+    move nothing, and a config that spells the rtn default out plans the same keys."""
+    art = resolve_artifacts(validate_config(raw))
+    assert art["layers/nvfp4_w4a16/1-8"].preimage["config"]["params"] == {"calibration": "fp8_sweep"}
+    unused = copy.deepcopy(raw)
+    unused["quantize"]["nvfp4_w4a16"].update(rounding="rtn", gptq={"damping": 0.1, "order": "activation"})
+    assert keys(unused) == keys(raw)
+    assert "expert_inputs" not in art
+
+
+def test_gptq_rounding_moves_the_nvfp4_windows_and_reads_the_experts_inputs(raw):
+    base, gptq = keys(raw), keys(with_rounding(raw))
+    assert sorted(set(gptq) - set(base)) == ["expert_inputs"]
+    assert moved(base, gptq) == ["checkpoint", "layers/nvfp4_w4a16/1-8"]  # FP8 and BF16 windows stay
+    art = resolve_artifacts(validate_config(with_rounding(raw)))
+    assert set(art["layers/nvfp4_w4a16/1-8"].upstream) == {"model", "expert_inputs"}
+    assert set(art["expert_inputs"].upstream) == {"model", "calibration"}
+    assert art["layers/nvfp4_w4a16/1-8"].preimage["config"]["params"]["gptq"] == {
+        "damping": 0.01,
+        "block_size": 128,
+        "order": "natural",
+        "min_tokens": 64,
+    }
+
+
+@pytest.mark.parametrize(
+    "knob", [{"damping": 0.05}, {"block_size": 64}, {"order": "activation"}, {"min_tokens": 8}]
+)
+def test_each_gptq_knob_enters_the_nvfp4_key(raw, knob):
+    base = keys(with_rounding(raw))
+    assert moved(base, keys(with_rounding(raw, **knob))) == ["checkpoint", "layers/nvfp4_w4a16/1-8"]
+
+
+def test_a_calibration_change_reruns_the_gptq_windows(raw):
+    gptq = with_rounding(raw)
+    changed = edited(gptq, "calibration", num_samples=32)
+    assert "layers/nvfp4_w4a16/1-8" in moved(keys(gptq), keys(changed))  # their Hessians' tokens moved
+
+
+def refined(raw_config: dict, **refine) -> dict:
+    return edited_placement(raw_config, refine={"candidates": 4, "holdout_samples": 8, **refine})
+
+
+def test_refinement_follows_the_solve_on_held_out_sequences(raw_search):
+    base = keys(raw_search)
+    art = resolve_artifacts(validate_config(refined(raw_search)))
+    with_refine = keys(refined(raw_search))
+    assert sorted(set(with_refine) - set(base)) == ["holdout", "refined"]
+    assert moved(base, with_refine) == []  # scores, windows and the solve are reused
+    refine = art["refined"]
+    assert refine.stage == "refine_placement"
+    assert {"model", "holdout", "placement", "scores_0", "scores_32"} <= set(refine.upstream)
+    assert {role for role in refine.upstream if "_layer_" in role} == {
+        f"{fmt}_layer_{layer}" for fmt in BOTH for layer in range(1, 9)
+    }
+    holdout = art["holdout"]
+    assert holdout.stage == "sample_calibration"
+    assert holdout.settings["calibration"]["held_out_after"] == 64
+    assert holdout.settings["calibration"]["num_samples"] == 8
+    # the held-out draw continues the calibration's: same seed, length and dataset
+    calibration = art["calibration"].settings["calibration"]
+    assert {k: holdout.settings["calibration"][k] for k in calibration if k != "num_samples"} == {
+        k: v for k, v in calibration.items() if k != "num_samples"
+    }
+    for change in ({"candidates": 6}, {"holdout_samples": 4}):
+        assert "refined" in moved(with_refine, keys(refined(raw_search, **change)))
+    assert moved(with_refine, keys(refined(raw_search, candidates=6))) == ["refined"]

@@ -114,3 +114,29 @@ def test_a_broken_recipe_fails_with_one_line_naming_the_key(tmp_path, monkeypatc
     path.write_text(recipe_yaml(document, []), "utf-8")
     with pytest.raises(ConfigError, match=r"unknown config key 'placement.sorce'; did you mean"):
         load_recipe(path)
+
+
+def test_the_recipe_replays_gptq_rounding_and_the_refined_placement(tmp_path, monkeypatch):
+    """A release rounded with GPTQ and refined by measured KL: its recipe writes the kept placement down
+    and keeps the rounding, so the replay plans the same expert inputs, GPTQ windows and checkpoint."""
+    import yaml
+
+    monkeypatch.chdir(REPO)
+    raw = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    raw["quantize"]["nvfp4_w4a16"].update(rounding="gptq", gptq={"damping": 0.02})
+    raw["placement"]["search"]["refine"] = {"candidates": 4, "holdout_samples": 8}
+    config = tmp_path / "gptq.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    cfg = load_config_file(config)
+    searched = resolve_artifacts(cfg, placement=TOY_PLACEMENT, autoquantized=TOY_PLACEMENT)
+    assert {"expert_inputs", "holdout", "refined"} <= set(searched)
+    path = tmp_path / "quantization_recipe.yaml"
+    path.write_text(recipe_yaml(recipe_document(cfg, TOY_PLACEMENT), ["header"]), "utf-8")
+    replay_cfg = load_recipe(path)
+    assert replay_cfg.quantize.nvfp4_w4a16.rounding == "gptq"
+    assert replay_cfg.quantize.nvfp4_w4a16.gptq.damping == 0.02
+    replayed = resolve_artifacts(replay_cfg, autoquantized=TOY_PLACEMENT)
+    assert not {"holdout", "refined", "placement"} & set(replayed)  # the placement is written down
+    for name in ("expert_inputs", "checkpoint", "layers/nvfp4_w4a16/1-8"):
+        assert replayed[name].key == searched[name].key, name
+    assert set(searched["release"].upstream) - set(replayed["release"].upstream) == {"placement", "refined"}

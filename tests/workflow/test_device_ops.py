@@ -1,26 +1,30 @@
 """No device stage of the default DAG runs an op that CUDA refuses under deterministic algorithms.
 
 On CUDA the device stages -- the stages whose registry device is not "cpu": collect_activation_stats,
-quantize_layer, score_sensitivity, autoquantize_placement, and reference_logits and run_kld with the hf engine
--- run with
+collect_expert_inputs, quantize_layer, score_sensitivity, refine_placement, autoquantize_placement, and
+reference_logits and run_kld with the hf engine -- run with
 ``torch.use_deterministic_algorithms(True)`` (``mixquant.numerics.CUDA_PROFILE``), where an op without a
 deterministic CUDA kernel raises. CI has no GPU, so each device job's own runner
 (``STAGES[stage].runner``, called as ``mixquant run`` calls it, with the artifact's settings and key) runs
 here on the CPU under tests/cuda_alerts.py's recorder, with deterministic algorithms on, and every aten op
 it dispatches is judged as CUDA would judge it. The CPU stages they need (fetch_model, sample_calibration,
-pin_prompt, export_checkpoint) run unrecorded; solve_placement does not run: the placement is handed to
-``resolve_artifacts``.
+pin_prompt, export_checkpoint, solve_placement for the refinement's input) run unrecorded; the rebuild's
+placement is handed to ``resolve_artifacts``.
 
 Covered, on the shipped toy (Laguna: sliding and full attention) and on tiny random qwen3_moe and
 deepseek_v3 instances (tests/families; DeepSeek: MLA attention, grouped routing, a shared expert), each the
 default config cut to 4 calibration sequences of 32 tokens and a 32-token prompt, one MoE layer pinned to
-NVFP4 and one to FP8 (the toy's others to BF16), one layer per quantize job:
+NVFP4 and one to FP8 (the toy's others to BF16), one layer per quantize job, NVFP4 rounded with GPTQ and the
+placement refined by measured KL:
 
 * collect_activation_stats: the streamed BF16 forward (eager experts) recording expert-input and K/V amax;
-* quantize_layer: an NVFP4 window (``fp8_sweep``, the FP8-code sweep), an FP8 window (MSE weights, static
-  inputs from the statistics) and BF16 windows;
+* collect_expert_inputs: the same forward recording each MoE layer's expert inputs and routing;
+* quantize_layer: an NVFP4 window (``fp8_sweep``, the FP8-code sweep, then GPTQ rounding: per-expert
+  Hessians, Cholesky factorisations, the error feedback), an FP8 window (MSE weights, static inputs from
+  the statistics) and BF16 windows;
 * score_sensitivity: the branch-parallel KL scores of the NVFP4 and the FP8 layer from the rebuilt
   weights, branches run alone on the toy (the default) and stacked on the others (the GPU setting);
+* refine_placement: the streamed measurement of the candidate placements (here the pinned one);
 * autoquantize_placement: ModelOpt's own ``auto_quantize(method="kl_div")`` (its calibration and scores,
   the NVFP4 fake quant through the CPU replacement where ModelOpt would run its CUDA kernel);
 * reference_logits (the prompt's and the evaluation suite's, one 32-token window per domain, two captures),
@@ -62,7 +66,9 @@ DEVICE_STAGES = {name for name, spec in STAGES.items() if spec.device != "cpu"}
 # log-softmax.
 MARKERS = {
     "collect_activation_stats": "aten::index_add_",
+    "collect_expert_inputs": "aten::index_add_",
     "quantize_layer": "aten::searchsorted",
+    "refine_placement": "aten::_log_softmax",
     "score_sensitivity": "aten::_log_softmax",
     "reference_logits": "aten::index_add_",
     "run_kld": "aten::_log_softmax",
@@ -87,6 +93,8 @@ def small_config(wd, name: str, model: dict | None = None, stack_branches: bool 
         batch_size=2, macro_batch=4, stack_branches=stack_branches, pins=pins
     )
     config["quantize"].update(activation_batch_size=4, layers_per_job=1)
+    config["quantize"]["nvfp4_w4a16"].update(rounding="gptq", gptq={"min_tokens": 1})
+    config["placement"]["search"]["refine"] = {"candidates": 2, "holdout_samples": 2}
     kld = config["kld"]
     kld.update(runs=1, kv_cache_dtypes=["bfloat16", "fp8"], baseline=None)
     kld["candidates"] = [
@@ -167,3 +175,5 @@ def test_device_stages_run_no_op_cuda_refuses(workdir, monkeypatch, model):
     assert alerts == {}
     for stage, runs in recorders.items():
         assert any(recorder.seen(MARKERS[stage]) for _, recorder in runs), f"{stage}: no {MARKERS[stage]}"
+    gptq = [recorder for name, recorder in recorders["quantize_layer"] if name.startswith("layers/nvfp4")]
+    assert gptq and all(recorder.seen("aten::linalg_cholesky_ex") for recorder in gptq)  # GPTQ ran

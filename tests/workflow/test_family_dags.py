@@ -1,50 +1,56 @@
-"""The whole DAG on CPU for each MoE family beyond Laguna (one model type per family), on a small random
-instance of transformers' own class in its upstream disk layout: calibration, activation statistics,
-the streamed branch-parallel search, the rebuild, the export, the KLD runs and gates, verify and release.
+"""The whole DAG on CPU for each MoE family beyond Laguna, on its trained tiny instance (transformers' own
+class, trained on the shipped corpus by the toy's recipe: data/instances/, content-pinned in
+data/instances/instances.json): calibration, activation statistics, the streamed branch-parallel search,
+the rebuild, the export, the KLD runs and gates, verify and release. Two of them round NVFP4 with GPTQ and
+refine the placement by measured KL (collect_expert_inputs, refine_placement).
 """
 
 from __future__ import annotations
 
 import csv
+import fnmatch
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
-from family_models import make_instance  # noqa: E402
+from mixquant.model.instances import INSTANCE_MODEL_TYPES, read_pins  # noqa: E402
 from vllm_resolution import resolve_quantized_layers, unmatched_quantized_layers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# one model type per family (the others are covered by tests/families)
-DAG_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral")
+INSTANCES = Path(__file__).resolve().parents[2] / "data" / "instances"
+# the families whose DAG also runs GPTQ rounding and the measured refinement
+GPTQ_REFINED = ("deepseek_v3", "mixtral")
 
 
 def family_config(wd, model_type: str) -> str:
-    """The default config pointed at the instance, sized for a quick run: 16 calibration sequences of 64
-    tokens in one scoring pass, a 7-bit budget, a 128-token prompt, a suite of 12 windows of 64 tokens, 2 KLD
-    runs with a BF16 KV cache."""
+    """The default config pointed at the committed instance (by its content pin), sized for a quick run: 32
+    calibration sequences of 64 tokens in one scoring pass, the 6-bit budget, a 128-token prompt, a suite
+    of 12 windows of 64 tokens, 2 KLD runs with a BF16 KV cache; GPTQ rounding and a refinement over 3
+    candidates on 8 held-out sequences for the GPTQ_REFINED families."""
     from mixquant.model.families import architecture
-    from mixquant.model.fetch import identity_sha256, local_dir_identity
     from mixquant.release.recipe import layer_ranges
 
-    model_dir = make_instance(model_type, wd.root / "models" / model_type)
+    model_dir = INSTANCES / model_type
     arch = architecture(model_dir)
     config = wd.config()
     config["model"] = {
         "source": "local",
-        "local": {"path": f"models/{model_type}", "sha256": identity_sha256(local_dir_identity(model_dir))},
-        "geometry": f"models/{model_type}/config.json",
+        "local": {"path": f"data/instances/{model_type}", "sha256": read_pins(INSTANCES)[model_type]},
+        "geometry": f"data/instances/{model_type}/config.json",
         "moe_layers": layer_ranges(list(arch.moe_layers)),
     }
-    config["calibration"].update(num_samples=16, seq_len=64)
+    config["calibration"].update(num_samples=32, seq_len=64)
     config["prompt"].update(seq_len=128, sha256=None)
-    config["placement"]["target_effective_bits"] = 7.0  # with 2 MoE layers, room for one FP8 layer
     search = config["placement"]["search"]
-    search.update(batch_size=4, macro_batch=16, frontier_points=5)
+    search.update(batch_size=8, macro_batch=32, frontier_points=5)
+    if model_type in GPTQ_REFINED:
+        config["quantize"]["nvfp4_w4a16"]["rounding"] = "gptq"
+        config["quantize"]["nvfp4_w4a16"]["gptq"] = {"min_tokens": 32}
+        search["refine"] = {"candidates": 3, "holdout_samples": 8}
     config["placement"]["explicit"] = {"default_format": "nvfp4_w4a16", "layers": []}
     config["quantize"]["activation_batch_size"] = 4
     config["export"]["num_shards"] = 2
@@ -63,7 +69,7 @@ def family_config(wd, model_type: str) -> str:
     return wd.write_config(f"config/{model_type}.yaml", config)
 
 
-@pytest.mark.parametrize("model_type", DAG_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", INSTANCE_MODEL_TYPES)
 def test_the_whole_dag_runs_on_a_family(workdir, model_type):
     name = family_config(workdir, model_type)
     workdir.snakemake("--configfile", name)
@@ -82,10 +88,32 @@ def test_the_whole_dag_runs_on_a_family(workdir, model_type):
         mean = {row["candidate"]: float(row["mean_kld"]) for row in rows if row["protocol"] == protocol}
         assert 0 < mean["searched"] < mean["uniform-nvfp4"], protocol  # the search pays off at 7 bits
     checkpoint = root / paths["checkpoint"]["path"]
-    assert unmatched_quantized_layers(checkpoint, model_type) == []
     algos = {"nvfp4_w4a16": "W4A16_NVFP4", "fp8": "FP8", "bf16": None}
-    resolved = resolve_quantized_layers(checkpoint, model_type)
-    assert {prefix.split(".")[2]: algo for prefix, algo in resolved.items()} == {
-        layer: algos[fmt] for layer, fmt in placement.items()
-    }
-    assert (root / paths["release"]["path"] / "repo" / "README.md").is_file()
+    quantization = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]
+    if len({fmt for fmt in placement.values() if fmt != "bf16"}) > 1:
+        assert unmatched_quantized_layers(checkpoint, model_type) == []
+        resolved = resolve_quantized_layers(checkpoint, model_type)
+        assert {prefix.split(".")[2]: algo for prefix, algo in resolved.items()} == {
+            layer: algos[fmt] for layer, fmt in placement.items()
+        }
+    else:  # one format (and BF16 layers): ModelOpt's single-algorithm form, BF16 layers excluded by wildcard
+        (fmt,) = {fmt for fmt in placement.values() if fmt != "bf16"}
+        assert quantization["quant_algo"] == algos[fmt]
+        excluded = quantization["exclude_modules"]
+        for layer, placed in placement.items():
+            names = [f"model.layers.{layer}.mlp.experts", f"model.layers.{layer}.block_sparse_moe.experts"]
+            hit = any(fnmatch.fnmatch(name, pattern) for name in names for pattern in excluded)
+            assert hit == (placed == "bf16"), (layer, placed, excluded)
+    repo = root / paths["release"]["path"] / "repo"
+    card = (repo / "README.md").read_text()
+    if model_type in GPTQ_REFINED:
+        assert "NVFP4 rounding `gptq`" in card and "Refined by measured KL" in card
+        refine = json.loads((repo / "refine_audit.json").read_text())
+        assert len(refine["candidates"]) == 3
+        assert placement == refine["candidates"][refine["chosen"] - 1]["placement"]
+        layer_dir = next((root / paths[name]["path"]) for name in paths if name.startswith("layers/nvfp4"))
+        layer_audit = json.loads(next(layer_dir.glob("layer_*/audit.json")).read_text())
+        assert layer_audit["rounding"] == "gptq"
+        assert layer_audit["gptq"]["calibration_output_error"]["ratio"] < 1
+    else:
+        assert "NVFP4 rounding `rtn`" in card

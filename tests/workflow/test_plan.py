@@ -479,3 +479,29 @@ def test_plan_names_each_job_and_the_gpu_its_estimates_assume(workdir):
     assert {"run_kld bf16 kv fp8", "gate_kld uniform-nvfp4 kv bfloat16", "fetch_model"} <= set(names)
     assert len(names) == sum(TOY_DAG.values())
     assert "they assume one HGX B200 GPU (179 GiB) per GPU job" in text
+
+
+def test_laguna_plan_with_gptq_rounding_and_refinement_stays_within_the_bounds(workdir):
+    """GPTQ rounding (the experts' calibration inputs, 1.6 GB per MoE layer; each NVFP4 layer's experts
+    rounded in batches on its GPU) and the refinement (8 candidates on 16 held-out sequences) keep the
+    Laguna-S-2.1 plan within 10 GPU-hours, 50 CPU core-hours and a 3-hour critical path."""
+    plain = _laguna_slurm_plan(workdir)
+    plan = _laguna_slurm_plan(
+        workdir,
+        "--config",
+        "quantize={nvfp4_w4a16: {rounding: gptq}}",
+        "placement={search: {refine: {candidates: 8, holdout_samples: 16}}}",
+    )
+    rows = {row["stage"]: row for row in plan["estimates"] if not row["after_solve"]}
+    assert {"collect_expert_inputs", "refine_placement"} <= set(plan["rules"])
+    before = {row["stage"]: row for row in plain["estimates"] if not row["after_solve"]}
+    assert rows["quantize_layer"]["gpu_hours"] > before["quantize_layer"]["gpu_hours"]  # GPTQ is counted
+    assert rows["collect_expert_inputs"]["bytes_written"] > 70e9  # 47 layers x 1.6 GB of expert inputs
+    for job in plan["jobs"]:
+        if job["rule"] in ("collect_expert_inputs", "refine_placement", "quantize_layer"):
+            assert " -p gpu " in f" {job['sbatch']} ", job
+    estimates = plan["estimates"]
+    assert max(row["peak_host_bytes"] for row in estimates) <= 64e9
+    assert sum(row["gpu_hours"] for row in estimates) <= 10.0
+    assert sum(row["cpu_hours"] for row in estimates) <= 50.0
+    assert 0 < plan["critical_path"]["seconds"] <= 3 * 3600

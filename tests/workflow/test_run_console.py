@@ -43,9 +43,10 @@ def test_default_run_console_is_short_and_ends_with_what_it_made(built_workdir):
         f"  placement: search (ilp), routed effective bits {meta['effective_bits']:.2f} "
         f"(target {meta['target_effective_bits']:.2f}); layers: {counts}"
     )
+    assert summary[1] == "  NVFP4 rounding: rtn (round to nearest: ModelOpt's export)"  # the default's
     gates = sorted(name for name in paths if name.startswith("gate/"))
-    assert len(summary) == 1 + len(gates) + 1
-    for name, line in zip(gates, summary[1:], strict=False):
+    assert len(summary) == 2 + len(gates) + 1
+    for name, line in zip(gates, summary[2:], strict=False):
         gate = json.loads((wd.root / paths[name]["path"] / "aggregate.json").read_text())
         _, candidate, kv = name.split("/")
         verdict = verdict_word(gate["verdict"])  # pass, FAIL, REPEAT-REQUIRED or not gated

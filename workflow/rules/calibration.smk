@@ -1,25 +1,28 @@
-# Calibration data: N samples x T tokens from the chat dataset through the chat template.
+# Calibration data: N samples x T tokens from the chat dataset through the chat template (and, for the
+# placement refinement, the held-out sequences that continue the same draw).
 
 
 rule sample_calibration:
     input:
-        model=artifact_path("model"),
+        unpack(keyed_inputs),
     output:
-        calibration=directory(artifact_path("calibration")),
+        calibration=directory(f"{CFG.results_dir}/sample_calibration/{{key}}"),
     log:
-        stage_log("calibration"),
+        f"{CFG.results_dir}/logs/sample_calibration/{{key}}.log",
     benchmark:
-        stage_benchmark("calibration")
+        f"{CFG.results_dir}/benchmarks/sample_calibration/{{key}}.tsv"
+    wildcard_constraints:
+        key="[0-9a-f]{64}",
     conda:
         conda_env("sample_calibration")
     threads: 1
     resources:
-        mem_mb=artifact_request("calibration", "mem_mb"),
-        disk_mb=artifact_request("calibration", "disk_mb"),
-        runtime=artifact_request("calibration", "runtime"),
-        gpu=artifact_request("calibration", "gpu"),
-        nodes=artifact_request("calibration", "nodes"),
+        mem_mb=keyed_request("mem_mb"),
+        disk_mb=keyed_request("disk_mb"),
+        runtime=keyed_request("runtime"),
+        gpu=keyed_request("gpu"),
+        nodes=keyed_request("nodes"),
     params:
-        stage=stage_params("calibration"),
+        stage=keyed_params,
     script:
         "../scripts/run_stage.py"

@@ -200,7 +200,10 @@ def placed_artifacts():
     ):
         return ART  # every placement was known when the graph was resolved
     if "checkpoint" not in ART:
-        checkpoints.solve_placement.get()
+        if "refined" in ART:
+            checkpoints.refine_placement.get()
+        else:
+            checkpoints.solve_placement.get()
     if "autoquantize" in ART and not PLACED_AT_START["autoquantize"]:
         checkpoints.autoquantize_placement.get()
     if "graph" not in _PLACED:

@@ -1,6 +1,7 @@
 # Rebuild from BF16: activation statistics, then one quantize_layer job per (format, fixed window of
 # quantize.layers_per_job MoE layers), keyed by what its layers depend on (model, layers, format, params;
-# + activation stats for FP8), never by the placement; export and scoring read its layer_<L>/ subdirs.
+# + activation stats for FP8, + the experts' calibration inputs for GPTQ rounding), never by the placement;
+# export and scoring read its layer_<L>/ subdirs.
 
 
 rule collect_activation_stats:
@@ -26,6 +27,33 @@ rule collect_activation_stats:
         stage=stage_params("activations"),
     script:
         "../scripts/run_stage.py"
+
+
+if "expert_inputs" in ART:
+
+    rule collect_expert_inputs:
+        input:
+            model=artifact_path("model"),
+            calibration=artifact_path("calibration"),
+        output:
+            expert_inputs=directory(artifact_path("expert_inputs")),
+        log:
+            stage_log("expert_inputs"),
+        benchmark:
+            stage_benchmark("expert_inputs")
+        conda:
+            conda_env("collect_expert_inputs")
+        threads: CFG.numerics.threads
+        resources:
+            mem_mb=artifact_request("expert_inputs", "mem_mb"),
+            disk_mb=artifact_request("expert_inputs", "disk_mb"),
+            runtime=artifact_request("expert_inputs", "runtime"),
+            gpu=artifact_request("expert_inputs", "gpu"),
+            nodes=artifact_request("expert_inputs", "nodes"),
+        params:
+            stage=stage_params("expert_inputs"),
+        script:
+            "../scripts/run_stage.py"
 
 
 rule quantize_layer:

@@ -1,6 +1,7 @@
 # KL-sensitivity placement search: score_sensitivity per macro-batch of calibration sequences (one streamed
 # pass scores every MoE layer x format), then the solve_placement checkpoint (the placement under the bit
-# budget: ILP or ModelOpt's threshold search); the export follows its result.
+# budget: ILP or ModelOpt's threshold search), optionally refined by measured KL (refine_placement); the
+# export follows the result.
 
 
 rule score_sensitivity:
@@ -61,6 +62,42 @@ if CFG.placement.source == "search":
             nodes=artifact_request("placement", "nodes"),
         params:
             stage=stage_params("placement"),
+        script:
+            "../scripts/run_stage.py"
+
+
+if "refined" in ART:
+
+    checkpoint refine_placement:
+        input:
+            unpack(
+                lambda wildcards: {
+                    role: str(ART[name].path)
+                    for role, name in ART["refined"].upstream.items()
+                }
+            ),
+        output:
+            placement=report(
+                directory(artifact_path("refined")),
+                patterns=["{plot}.png"],
+                caption="../report/placement.rst",
+                category="Placement",
+            ),
+        log:
+            stage_log("refined"),
+        benchmark:
+            stage_benchmark("refined")
+        conda:
+            conda_env("refine_placement")
+        threads: CFG.numerics.threads
+        resources:
+            mem_mb=artifact_request("refined", "mem_mb"),
+            disk_mb=artifact_request("refined", "disk_mb"),
+            runtime=artifact_request("refined", "runtime"),
+            gpu=artifact_request("refined", "gpu"),
+            nodes=artifact_request("refined", "nodes"),
+        params:
+            stage=stage_params("refined"),
         script:
             "../scripts/run_stage.py"
 

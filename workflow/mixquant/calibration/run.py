@@ -31,32 +31,43 @@ def load_tokenizer(tokenizer_settings: dict[str, Any], model_artifact: str | Pat
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model_artifact)), trust_remote_code=False)
 
 
+def member_counts(num_samples: int, members: int) -> list[int]:
+    """Samples per dataset member: an even split, the first members taking the remainder."""
+    counts = [num_samples // members] * members
+    for index in range(num_samples % members):
+        counts[index] += 1
+    return counts
+
+
 def run_sample_calibration(
     out_dir: str | Path, *, model: str | Path | None, settings: dict[str, Any], preimage: dict[str, Any]
 ) -> Path:
     """Sample N x T calibration token IDs into the keyed directory `out_dir`.
 
     With several hub members (a ModelOpt-style combo) the N samples are split evenly across
-    members, the first members taking the remainder.
+    members, the first members taking the remainder. With ``held_out_after`` M (the refinement's held-out
+    draw), each member's draw continues after its share of M calibration samples: the sampler visits the
+    conversations in one seeded order and stops at the count, so the first M are the calibration's and
+    the rest use none of their conversations.
     """
     calibration = settings["calibration"]
     tokenizer = load_tokenizer(settings["tokenizer"], model)
     sources = load_dataset_conversations(settings["dataset"])
-    counts = [calibration["num_samples"] // len(sources)] * len(sources)
-    for index in range(calibration["num_samples"] % len(sources)):
-        counts[index] += 1
+    counts = member_counts(calibration["num_samples"], len(sources))
+    # a held-out draw (placement.search.refine) continues each member's calibration draw past its share
+    skipped = member_counts(calibration.get("held_out_after", 0), len(sources))
     import torch
 
     parts = [
         sample_calibration(
             source,
             tokenizer,
-            num_samples=count,
+            num_samples=skip + count,
             seq_len=calibration["seq_len"],
             seed=calibration["seed"],
             short_policy=calibration["short_policy"],
-        )
-        for source, count in zip(sources, counts, strict=True)
+        )[skip:]
+        for source, count, skip in zip(sources, counts, skipped, strict=True)
         if count
     ]
     ids = torch.cat(parts, dim=0)

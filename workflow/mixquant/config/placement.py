@@ -42,6 +42,21 @@ class PlacementPin(Strict):
     format: Format = Field(description="The format those layers must take (it must be a candidate format).")
 
 
+class RefineSettings(Strict):
+    candidates: int = Field(
+        default=8,
+        ge=2,
+        description="Placements measured: the ILP's K lowest predicted within the budget (and the solve's "
+        "own, when another method chose it); the one with the lowest measured KL is kept.",
+    )
+    holdout_samples: int = Field(
+        default=16,
+        ge=1,
+        description="Calibration sequences the candidates are measured on: drawn after the scored ones "
+        "(same dataset, seed and length, none of their conversations); never the evaluation suite.",
+    )
+
+
 class SearchSettings(Strict):
     method: Literal["ilp", "minimax"] = Field(
         default="ilp",
@@ -85,6 +100,12 @@ class SearchSettings(Strict):
     )
     frontier_points: int = Field(
         default=25, ge=2, description="Budgets on the bits-to-KL frontier, evenly spaced min..max bits."
+    )
+    refine: RefineSettings | None = Field(
+        default=None,
+        description="Refine the solved placement by measured KL (refine_placement): each of the K best "
+        "placements measured end to end with all its layers quantized, on held-out calibration sequences. "
+        "null: the solve's placement ships.",
     )
 
     @model_validator(mode="after")

@@ -11,12 +11,52 @@ from mixquant.config.base import Strict
 from mixquant.formats.facts import KV_CACHE_FORMATS
 
 
+class GptqSettings(Strict):
+    damping: float = Field(
+        default=0.01,
+        gt=0,
+        le=1,
+        description="Added to the Hessian's diagonal, as a fraction of its mean (llm-compressor's "
+        "dampening_frac).",
+    )
+    block_size: int = Field(
+        default=128, ge=1, description="Columns per lazy batch update of the error feedback."
+    )
+    order: Literal["natural", "activation"] = Field(
+        default="natural",
+        description="Column order: natural, or activation (descending Hessian diagonal, GPTQ's act-order; "
+        "the block scales stay with their columns).",
+    )
+    min_tokens: int = Field(
+        default=64,
+        ge=1,
+        description="An expert the router sent fewer calibration tokens is rounded to nearest (the audit "
+        "lists it): its Hessian would be fitted to too few inputs.",
+    )
+
+
 class Nvfp4Params(Strict):
     calibration: Literal["fp8_sweep", "mse", "max"] = Field(
         default="fp8_sweep",
         description="Per-16-block E4M3 scales: fp8_sweep (ModelOpt mse + fp8_scale_sweep over the 126 E4M3 "
         "codes), mse (ModelOpt's multiplier search 0.25..4.0), max (block amax).",
     )
+    rounding: Literal["rtn", "gptq"] = Field(
+        default="rtn",
+        description="Which E2M1 code each element takes under those scales: rtn (round to nearest, "
+        "ModelOpt's export) or gptq (each routed expert's rounding error fed forward through the inverse "
+        "Hessian of the tokens the router sent it in calibration; same scales, same tensors).",
+    )
+    gptq: GptqSettings = Field(
+        default_factory=GptqSettings, description="GPTQ rounding's settings (read with rounding: gptq)."
+    )
+
+    def rebuild_params(self) -> dict:
+        """What a quantize_layer job reads of these settings (and its key holds): the GPTQ settings only
+        with gptq rounding, so an unused knob moves nothing, and rtn keeps the slice it has always had."""
+        if self.rounding == "rtn":
+            return {"calibration": self.calibration}
+        return self.model_dump(mode="json")
 
 
 class Fp8Params(Strict):

@@ -95,6 +95,18 @@ class Hardware:
     # assumption: the NVFP4 / FP8 scale sweeps are unfused torch elementwise passes, memory-bound: ~126
     # E4M3 candidates x ~16 B of traffic per element at ~4 TB/s of HBM is ~2e9 elements/s; half of it
     gpu_quantize_elements_per_s: float = 1e9
+    # GPTQ rounding (quantize.nvfp4_w4a16.rounding: gptq). Measured (benchmarks/bench_gptq.py, the real
+    # code at the Laguna-S-2.1 expert shape, 4 experts of [2048, 3072] batched, 10,240 tokens each, one
+    # thread): the float64 GEMM rate, and the seconds per element of the rank-1 updates inside the lazy
+    # blocks (the time beyond the GEMM FLOPs, per update)
+    cpu_fp64_flops_per_core: float = 5.2e10
+    cpu_gptq_update_s: float = 5.4e-9
+    # assumption: B200 FP64 tensor-core peak is 40 TFLOP/s; half of it for mid-sized GEMMs and Cholesky
+    gpu_fp64_flops: float = 2e13
+    # assumption: ~8 kernel launches per column step of the error feedback, ~10 us each (launch-bound)
+    gpu_gptq_column_s: float = 8e-5
+    # assumption: the in-block rank-1 updates are memory-bound elementwise work, ~16 B each at ~3 TB/s
+    gpu_gptq_updates_per_s: float = 2e11
     # the share of GPU memory a streamed stage plans to use (allocator fragmentation, CUDA context)
     gpu_memory_headroom: float = GPU_MEMORY_HEADROOM
     # assumption: host memory a CPU forward job may plan its macro-batch for (a node share, not a whole node)

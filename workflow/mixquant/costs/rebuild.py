@@ -19,6 +19,8 @@ from mixquant.export.predict import checkpoint_tensors, predict_structure
 from mixquant.facts import scored_formats, scored_pairs
 from mixquant.facts.jobs import (
     batch_activation_bytes,
+    gptq_chunk_experts,
+    gptq_expert_bytes,
     max_layer_bytes,
     non_layer_bytes,
     score_transient_bytes,
@@ -46,8 +48,52 @@ def collect_activation_stats(job: CostJob) -> None:
     job.written = activation_stats_bytes(geometry)
 
 
+def expert_inputs_bytes(cfg, geometry) -> int:
+    """One MoE layer's recorded expert inputs: every calibration token's bf16 state and its routing."""
+    tokens = cfg.calibration.num_samples * cfg.calibration.seq_len
+    return tokens * (geometry.hidden_size * geometry.dtype_bytes + 4 * geometry.num_experts_per_tok)
+
+
+def collect_expert_inputs(job: CostJob) -> None:
+    """The activation statistics' layer-streamed pass, each MoE layer's expert inputs written as it ends."""
+    collect_activation_stats(job)
+    layer_file = expert_inputs_bytes(job.cfg, job.geometry)
+    job.written = len(job.geometry.moe_layers) * layer_file
+    job.host += 2 * layer_file  # the layer's recorded batches, and their concatenation being written
+
+
+def gptq_layer_cost(cfg, geometry, hw, on_gpu: bool, cpus: int) -> tuple[float, int]:
+    """(seconds, device bytes) of GPTQ rounding one MoE layer's routed experts (beyond round-to-nearest).
+
+    Per expert, float64: the two Hessians (``X^T X`` of its tokens, ``H x H``; of its down inputs, ``I x I``,
+    after recomputing them), three factorisations of each (Cholesky, inverse, upper Cholesky: ~H^3), and
+    the error feedback's block GEMMs; the rank-1 updates inside each lazy block (elementwise: ``rows x cols
+    x block / 2`` per projection); on a GPU the launches of the column steps, which run a chunk of experts
+    at once (:func:`mixquant.facts.jobs.gptq_chunk_experts`) -- otherwise the loop is launch-bound.
+    """
+    hidden, inter, experts = geometry.hidden_size, geometry.moe_intermediate_size, geometry.num_experts
+    routed_tokens = cfg.calibration.num_samples * cfg.calibration.seq_len * geometry.num_experts_per_tok
+    flops = 2 * routed_tokens * (hidden * hidden + inter * inter + 2 * inter * hidden)  # Hessians, down input
+    flops += experts * (2 * (hidden**3 + inter**3))  # factorisations
+    flops += experts * 2 * (2 * inter * hidden * hidden + hidden * inter * inter)  # error feedback
+    chunk = min(experts, gptq_chunk_experts(hidden, inter, "cuda" if on_gpu else "cpu"))
+    steps = -(-experts // chunk) * (hidden + inter)
+    device = chunk * gptq_expert_bytes(hidden, inter)
+    # the rank-1 updates inside each lazy block (half a block per column on average): elementwise work
+    block = cfg.quantize.nvfp4_w4a16.gptq.block_size
+    updates = experts * (2 * inter * hidden + hidden * inter) * min(block, hidden) / 2
+    if on_gpu:
+        seconds = (
+            flops / hw.gpu_fp64_flops + steps * hw.gpu_gptq_column_s + updates / hw.gpu_gptq_updates_per_s
+        )
+        return seconds, device
+    seconds = flops / (hw.cpu_fp64_flops_per_core * cpus) + updates * hw.cpu_gptq_update_s / cpus
+    return seconds, device
+
+
 def quantize_layer(job: CostJob) -> None:
-    """One window of ``layers`` MoE layers, one after the other."""
+    """One window of ``layers`` MoE layers, one after the other (GPTQ rounding: + the layer's expert
+    inputs read and the rounding's float64 work, :func:`gptq_layer_cost`)."""
     cfg, geometry, hw, layers = job.cfg, job.geometry, job.hw, job.layers
     fmt = job.fmt or "nvfp4_w4a16"
     params = {
@@ -66,6 +112,19 @@ def quantize_layer(job: CostJob) -> None:
         job.compute_s = elements / (hw.cpu_quantize_elements_per_s_per_core[params] * job.cpus)
     # one layer at a time: the growing result, safetensors' save_file copy of it, per-expert temporaries
     job.host += 2 * result + QUANTIZE_TEMP_BYTES
+    if fmt == "nvfp4_w4a16" and cfg.quantize.nvfp4_w4a16.rounding == "gptq":
+        inputs = expert_inputs_bytes(cfg, geometry)
+        seconds, device = gptq_layer_cost(cfg, geometry, hw, job.on_gpu, job.cpus)
+        job.read += layers * inputs
+        job.compute_s += layers * (seconds + (inputs / hw.host_to_device_bytes_per_s if job.on_gpu else 0))
+        if job.on_gpu:
+            job.gpu_bytes += inputs + device  # the layer's inputs stay on the device while its experts round
+            job.host += inputs
+        else:
+            job.host += inputs + device
+        job.notes.append(
+            f"GPTQ rounding: {layers} x {seconds / 60:.1f} min, expert inputs {inputs / 1e9:.2f} GB per layer"
+        )
 
 
 def score_sensitivity(job: CostJob) -> None:
@@ -131,6 +190,39 @@ def solve_placement(job: CostJob) -> None:
     job.compute_s = (1 + search.frontier_points) * hw.ilp_solve_s + 2 * hw.plot_s
     job.written = 2000 * len(geometry.moe_layers) + 200 * search.frontier_points + 400_000  # JSON, CSV, 2 PNG
     job.host += 512 * MIB
+
+
+def refine_placement(job: CostJob) -> None:
+    """One layer-streamed pass over the held-out sequences carrying the reference and K candidates (each
+    with its placed layers' rebuilt experts swapped in), then the K-best solves."""
+    cfg, geometry, hw, calib = job.cfg, job.geometry, job.hw, job.cfg.calibration
+    refine = cfg.placement.search.refine
+    k = refine.candidates if refine is not None else 2
+    size = refine.holdout_samples if refine is not None else 1
+    tokens = size * calib.seq_len
+    # each candidate's quantized layers: at most every scored layer x format result, read once
+    read = job.model_bytes + tokens * 4
+    read += sum(layer_result_bytes(geometry, f) for formats in scored_formats(cfg).values() for f in formats)
+    flops = (1 + k) * geometry.forward_flops(calib.seq_len, size)
+    flops += (1 + k) * 20 * tokens * geometry.vocab_size  # log-softmax, exp and the KL sums
+    compute_s = flops / job.device_flops + k * hw.ilp_solve_s
+    job.read, job.streamed_read = read, read
+    job.streamed_s = streamed_seconds(read, compute_s, geometry, hw, job.on_gpu)
+    states = (1 + k) * state_bytes(geometry, size, calib.seq_len)
+    held = (
+        2 * max_layer_bytes(geometry)
+        + non_layer_bytes(geometry)
+        + geometry.routed_bytes_per_layer  # one format's dequantized copy of a layer
+        + states
+        + batch_activation_bytes(geometry, cfg.placement.search.batch_size, calib.seq_len)
+    )
+    if job.on_gpu:
+        job.gpu_bytes = held
+        job.host += 2 * pinned_layer_bytes(geometry) + layer_result_bytes(geometry, "fp8")
+    else:
+        job.host += held + layer_result_bytes(geometry, "fp8")
+    job.written = 3000 * k + 2000 * len(geometry.moe_layers) + 200_000  # audits, placement, one PNG
+    job.notes.append(f"{k} candidates on {size} held-out sequences")
 
 
 def autoquantize_placement(job: CostJob) -> None:

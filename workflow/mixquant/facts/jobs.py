@@ -19,6 +19,8 @@ __all__ = [
     "STACK_LIMIT",
     "batch_activation_bytes",
     "fitted_macro_batch",
+    "gptq_chunk_experts",
+    "gptq_expert_bytes",
     "max_layer_bytes",
     "non_layer_bytes",
     "score_jobs",
@@ -139,3 +141,20 @@ def score_jobs(cfg: MixquantConfig) -> list[tuple[int, int]]:
     weights per macro-batch, scoring every (MoE layer, format) on those sequences."""
     size, total = score_macro_batch(cfg), cfg.calibration.num_samples
     return [(first, min(first + size, total)) for first in range(0, total, size)]
+
+
+# GPTQ rounding (quantize.nvfp4_w4a16.rounding: gptq): the float64 work of the experts a quantize_layer job
+# rounds as one batch -- one error-feedback column step for all of them, so a GPU is not launch-bound.
+GPTQ_CHUNK_BYTES = {"cuda": 16 << 30, "cpu": 2 << 30}
+
+
+def gptq_expert_bytes(hidden: int, inter: int) -> int:
+    """float64 GPTQ work of one expert: its two Hessians and their factors (3 copies), and the gate/up and
+    down weights' working, compensated and scale copies."""
+    return 8 * (hidden * hidden + inter * inter) * 3 + 24 * 3 * inter * hidden
+
+
+def gptq_chunk_experts(hidden: int, inter: int, device: str) -> int:
+    """Experts rounded as one batch on ``device`` (``cpu`` or ``cuda[:N]``)."""
+    budget = GPTQ_CHUNK_BYTES["cuda" if device_type(device) == "cuda" else "cpu"]
+    return max(1, budget // gptq_expert_bytes(hidden, inter))

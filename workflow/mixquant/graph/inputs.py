@@ -112,6 +112,27 @@ def add_calibration(graph: GraphBuilder) -> None:
     )
 
 
+def add_holdout(graph: GraphBuilder) -> None:
+    """sample_calibration's held-out draw: ``placement.search.refine.holdout_samples`` sequences continuing
+    the calibration's own draw (same dataset, tokenizer, seed and length) after its ``num_samples``, so no
+    conversation of the scored sequences is in it (``mixquant.calibration.run.run_sample_calibration``)."""
+    cfg = graph.cfg
+    tokenizer_slice, tokenizer_settings = tokenizer_identity(cfg)
+    dataset_slice, dataset_settings = dataset_identity(cfg)
+    calibration = {
+        **cfg.calibration.model_dump(mode="json"),
+        "num_samples": cfg.placement.search.refine.holdout_samples,
+        "held_out_after": cfg.calibration.num_samples,
+    }
+    graph.add(
+        "holdout",
+        "sample_calibration",
+        {"calibration": calibration, "dataset": dataset_slice, "tokenizer": tokenizer_slice},
+        {"calibration": calibration, "dataset": dataset_settings, "tokenizer": tokenizer_settings},
+        {"model": "model"},
+    )
+
+
 def add_prompt(graph: GraphBuilder) -> None:
     """pin_prompt: the KLD prompt's token IDs (a chat sample, or a token-ID file)."""
     cfg = graph.cfg

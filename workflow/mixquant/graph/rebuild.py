@@ -9,7 +9,7 @@ from mixquant.config import MixquantConfig
 from mixquant.facts import moe_layers, placement_pins, quantize_window, score_jobs, scored_formats
 from mixquant.formats.facts import BF16, FP8, NVFP4
 from mixquant.graph.artifact import GraphBuilder
-from mixquant.graph.inputs import tokenizer_identity
+from mixquant.graph.inputs import add_holdout, tokenizer_identity
 from mixquant.producer import default_producer
 
 
@@ -30,10 +30,28 @@ def add_activations(graph: GraphBuilder) -> None:
     )
 
 
+def add_expert_inputs(graph: GraphBuilder) -> None:
+    """collect_expert_inputs: the calibration tokens each routed expert received (for GPTQ rounding), on
+    the activation statistics' batches."""
+    batch = {"batch_size": graph.cfg.quantize.activation_batch_size}
+    graph.add(
+        "expert_inputs",
+        "collect_expert_inputs",
+        batch,
+        batch,
+        {"model": "model", "calibration": "calibration"},
+    )
+
+
+def gptq_rounding(cfg: MixquantConfig) -> bool:
+    """Whether the NVFP4 rebuild rounds with GPTQ (and so reads the experts' calibration inputs)."""
+    return cfg.quantize.nvfp4_w4a16.rounding == "gptq"
+
+
 def rebuild_params(cfg: MixquantConfig, fmt: str) -> dict[str, Any]:
     """The ``quantize`` settings of one format (what quantize_layer ships)."""
     return {
-        NVFP4: cfg.quantize.nvfp4_w4a16.model_dump(mode="json"),
+        NVFP4: cfg.quantize.nvfp4_w4a16.rebuild_params(),
         FP8: cfg.quantize.fp8.model_dump(mode="json"),
         BF16: {},
     }[fmt]
@@ -44,7 +62,8 @@ def add_layer(graph: GraphBuilder, layer: int, fmt: str) -> str:
 
     One job per (format, window of MoE layers): it quantizes every layer of its window in that format,
     needed by this plan or not, so its key -- the format, that format's params, the window's layers, the
-    model (and, for FP8 W8A8, the activation statistics) -- is exactly the union of what its layer x
+    model (for FP8 W8A8 the activation statistics, for GPTQ rounding the experts' calibration inputs) -- is
+    exactly the union of what its layer x
     format results depend on, and never the placement. A new placement or budget therefore reuses every
     window already computed, and an NVFP4 knob moves only NVFP4 windows.
     """
@@ -57,6 +76,10 @@ def add_layer(graph: GraphBuilder, layer: int, fmt: str) -> str:
             "params": rebuild_params(cfg, fmt),
         }
         upstream = {"model": "model", **({"activations": "activations"} if fmt == FP8 else {})}
+        if fmt == NVFP4 and gptq_rounding(cfg):
+            if "expert_inputs" not in graph.artifacts:
+                add_expert_inputs(graph)
+            upstream["expert_inputs"] = "expert_inputs"
         graph.add(name, "quantize_layer", window_slice, window_slice, upstream)
     return name
 
@@ -113,6 +136,33 @@ def add_search(graph: GraphBuilder) -> None:
         "frontier_points": search.frontier_points,
     }
     graph.add("placement", "solve_placement", solve_slice, solve_slice, {"model": "model", **roles})
+    if search.refine is not None:
+        add_refine(graph, solve_slice, roles)
+
+
+def add_refine(graph: GraphBuilder, solve_slice: dict[str, Any], score_roles: dict[str, str]) -> None:
+    """refine_placement: the K best placements under the solve's budget, measured end to end on held-out
+    calibration sequences with the rebuild's own layer x format results (whatever
+    ``placement.search.calibration`` scored), the best kept. Its key holds the solve's slice, the
+    refinement's settings and the keys of the scores, the solved placement, the held-out sequences and
+    every layer x format result a candidate may use."""
+    cfg = graph.cfg
+    add_holdout(graph)
+    upstream = {"model": "model", "holdout": "holdout", "placement": "placement", **score_roles}
+    for layer, formats in scored_formats(cfg).items():
+        for fmt in formats:
+            upstream[f"{fmt}_layer_{layer}"] = add_layer(graph, layer, fmt)
+    refine_slice = {
+        **solve_slice,
+        "refine": cfg.placement.search.refine.model_dump(mode="json"),
+        "batch_size": cfg.placement.search.batch_size,
+    }
+    graph.add("refined", "refine_placement", refine_slice, refine_slice, upstream)
+
+
+def searched_placement_artifact(graph_artifacts: dict[str, Any]) -> str:
+    """The artifact whose ``placement.json`` the rebuild of a search uses: the refined one if any."""
+    return "refined" if "refined" in graph_artifacts else "placement"
 
 
 def add_export(graph: GraphBuilder, placed: dict[int, str], name: str = "checkpoint") -> None:

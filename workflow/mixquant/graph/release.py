@@ -62,6 +62,8 @@ def add_release(graph: GraphBuilder, placement: dict[int, str]) -> None:
     }
     if "placement" in graph.artifacts:
         upstream["placement"] = "placement"
+    if "refined" in graph.artifacts:
+        upstream["refined"] = "refined"
     for candidate in cfg.kld.candidates:
         for kv in cfg.kld.kv_cache_dtypes:
             upstream[f"gate_{candidate.name}_{kv}"] = f"gate/{candidate.name}/{kv}"

@@ -14,7 +14,13 @@ from mixquant.facts import placement_from_config
 from mixquant.graph.artifact import Artifact, GraphBuilder, deployment_of
 from mixquant.graph.inputs import add_calibration, add_eval, add_model, add_prompt
 from mixquant.graph.kld import add_autoquantize, add_kld
-from mixquant.graph.rebuild import add_activations, add_export, add_rebuild, add_search
+from mixquant.graph.rebuild import (
+    add_activations,
+    add_export,
+    add_rebuild,
+    add_search,
+    searched_placement_artifact,
+)
 from mixquant.graph.release import add_release, add_verify
 from mixquant.search.run import PLACEMENT_FILE
 
@@ -44,8 +50,9 @@ def resolve_artifacts(
         placement = placement_from_config(cfg)
     else:
         add_search(graph)
-        if placement is None and graph.artifacts["placement"].done:
-            placement = load_placement(graph.artifacts["placement"].path / PLACEMENT_FILE)
+        searched = graph.artifacts[searched_placement_artifact(graph.artifacts)]
+        if placement is None and searched.done:
+            placement = load_placement(searched.path / PLACEMENT_FILE)
     if placement is not None:
         add_rebuild(graph, placement)
         add_export(graph, placement)
@@ -81,6 +88,7 @@ def final_targets(artifacts: dict[str, Artifact]) -> list[str]:
         "prompt",
         "eval",
         "placement",
+        "refined",
         "autoquantize",
         "checkpoint",
         "kld_verdict",

@@ -197,12 +197,28 @@ STAGES: dict[str, StageSpec] = {
             device="configured",
             cost="mixquant.costs.rebuild:collect_activation_stats",
         ),
+        # What each routed expert received in calibration, for the GPTQ rebuild (rounding: gptq only).
+        StageSpec(
+            "collect_expert_inputs",
+            "mixquant.quantize.expert_inputs:run_collect_expert_inputs",
+            "expert_inputs",
+            (
+                "mixquant.quantize.expert_inputs",
+                "mixquant.model.experts",
+                "mixquant.checkpoint.writer",
+            ),
+            ("torch", "transformers", "safetensors"),
+            device="configured",
+            cost="mixquant.costs.rebuild:collect_expert_inputs",
+        ),
         StageSpec(
             "quantize_layer",
             "mixquant.quantize.run:run_quantize_layer",
             "layers",
             (
                 "mixquant.quantize.layer",
+                "mixquant.quantize.gptq",
+                "mixquant.formats.nvfp4_gptq",
                 "mixquant.model.layer_reader",
                 "mixquant.formats.facts",
                 "mixquant.formats.nvfp4",
@@ -247,6 +263,26 @@ STAGES: dict[str, StageSpec] = {
             ),
             ("pulp", "matplotlib"),
             cost="mixquant.costs.rebuild:solve_placement",
+        ),
+        # The solved placement refined by measured KL: its measurement's numerics are the streamed forward's
+        # and the layer x format results' (upstream); the K-best solve is the ILP's.
+        StageSpec(
+            "refine_placement",
+            "mixquant.search.refine:run_refine_placement",
+            "placement",
+            (
+                "mixquant.search.refine",
+                "mixquant.search.ilp",
+                "mixquant.search.groups",
+                "mixquant.search.score",
+                "mixquant.search.run",
+                "mixquant.search.plots",
+                "mixquant.model.experts",
+                "mixquant.formats.dequant",
+            ),
+            ("torch", "transformers", "nvidia-modelopt", "safetensors", "pulp", "matplotlib"),
+            device="configured",
+            cost="mixquant.costs.rebuild:refine_placement",
         ),
         # ModelOpt's own auto_quantize placement (the KLD gate's anchor): its search, calibration and fake
         # quant decide it, at mixquant's budget.

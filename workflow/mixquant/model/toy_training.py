@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LagunaConfig, LagunaForCausalLM, PreTrainedTokenizerFast
 
+from mixquant.model.families import moe_experts
 from mixquant.model.tokenizer import render_conversation
 from mixquant.model.toy import DEFAULT_TOY_ARCH, DEFAULT_TOY_TRAINING, init_toy_model, routers, with_defaults
 
@@ -89,17 +90,23 @@ def lr_at(step: int, training: dict[str, Any]) -> float:
 
 
 class _RoutingCounter:
-    """Forward hooks on the routers counting how often each expert is selected (per layer)."""
+    """Forward pre-hooks on every MoE layer's routed-experts module counting how often each expert is
+    selected (per MoE layer, in layer order), from the ``top_k_index`` the block hands its experts: the
+    same count in every family (Laguna's and DeepSeek's routers return it, MiniMax's block computes it)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.routers = routers(model)
-        self.counts = [torch.zeros(r.e_score_correction_bias.numel()) for r in self.routers]
-        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self.experts = [experts for _, experts in sorted(moe_experts(model).items())]
+        self.counts = [torch.zeros(int(e.num_experts)) for e in self.experts]
+        self.handles = [
+            e.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, e in enumerate(self.experts)
+        ]
 
     def _hook(self, i: int):
-        def hook(module, args, output):
-            selected = output[2]
-            self.counts[i] += torch.bincount(selected.reshape(-1), minlength=self.counts[i].numel()).float()
+        def hook(module, args, kwargs):
+            selected = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            self.counts[i] += torch.bincount(selected.reshape(-1), minlength=self.counts[i].numel()).float()[
+                : self.counts[i].numel()
+            ]
 
         return hook
 
@@ -112,12 +119,12 @@ class _RoutingCounter:
             h.remove()
 
 
-def _update_router_bias(counter: _RoutingCounter, rate: float) -> None:
+def _update_router_bias(biased: list[torch.nn.Module], counts: list[torch.Tensor], rate: float) -> None:
     """Aux-loss-free load balancing (DeepSeek-V3 style): push under-used experts' bias up, over-used down."""
     with torch.no_grad():
-        for router, counts in zip(counter.routers, counter.counts, strict=True):
-            bias = router.e_score_correction_bias
-            bias.add_(torch.sign(counts.mean() - counts).to(bias.dtype) * rate)
+        for holder, count in zip(biased, counts, strict=True):
+            bias = holder.e_score_correction_bias
+            bias.add_(torch.sign(count.mean() - count).to(bias.dtype) * rate)
 
 
 @torch.no_grad()
@@ -155,13 +162,39 @@ def train_toy_model(
     router_bias_init_std: float = DEFAULT_TOY_ARCH["router_bias_init_std"],
     progress: bool = True,
 ) -> tuple[LagunaForCausalLM, dict[str, Any]]:
-    """Train a fresh seeded model on the rendered conversations; returns (fp32 model in eval mode, report).
+    """Train a fresh seeded toy Laguna on the rendered conversations (:func:`train_moe_model`); returns
+    (fp32 model in eval mode, report)."""
+    with torch_threads(threads):
+        model = init_toy_model(config, seed=seed, router_bias_init_std=router_bias_init_std)
+    return train_moe_model(
+        model, conversations, tokenizer, training=training, seed=seed, threads=threads, progress=progress
+    )
+
+
+def train_moe_model(
+    model: torch.nn.Module,
+    conversations: list[list[dict]],
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    training: dict[str, Any],
+    seed: int,
+    threads: int,
+    aux_loss_coef: float = 0.0,
+    progress: bool = True,
+    desc: str = "train toy laguna",
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train the initialised fp32 MoE ``model`` (any family of :mod:`mixquant.model.families`) on the
+    rendered conversations; returns (the model in eval mode, report).
 
     Conversation i is held out iff i % heldout_every == 0; the rest are packed into seq_len sequences and
-    visited in seeded shuffled epochs.
+    visited in seeded shuffled epochs. Routers with an ``e_score_correction_bias`` are balanced without an
+    auxiliary loss (the bias update, DeepSeek-V3's recipe); with ``aux_loss_coef`` > 0 the model's own
+    load-balancing loss (``output_router_logits``, Switch / Mixtral / Qwen3-MoE) is added to the next-token
+    loss, the way those families are trained.
     """
     training = with_defaults(DEFAULT_TOY_TRAINING, training, "toy training")
     seq_len, batch_size, steps = int(training["seq_len"]), int(training["batch_size"]), int(training["steps"])
+    config = model.config
     with torch_threads(threads):
         t0 = time.perf_counter()
         train_convs, heldout_convs = split_conversations(conversations, int(training["heldout_every"]))
@@ -171,7 +204,6 @@ def train_toy_model(
             raise ValueError(f"{train_x.shape[0]} training sequences are fewer than batch_size {batch_size}")
         tokenize_s = time.perf_counter() - t0
 
-        model = init_toy_model(config, seed=seed, router_bias_init_std=router_bias_init_std)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         optimizer = torch.optim.AdamW(
@@ -185,25 +217,32 @@ def train_toy_model(
             foreach=False,
         )
         counter = _RoutingCounter(model)
+        biased = routers(model)
+        if biased and len(biased) != len(counter.experts):
+            raise RuntimeError(f"{len(biased)} routing biases for {len(counter.experts)} MoE layers")
         batches = _batches(train_x.shape[0], batch_size, torch.Generator().manual_seed(seed))
         losses: list[float] = []
         t1 = time.perf_counter()
         model.train()
-        bar = tqdm(
-            range(steps), desc="train toy laguna", file=sys.stderr, disable=not progress, mininterval=1.0
-        )
+        bar = tqdm(range(steps), desc=desc, file=sys.stderr, disable=not progress, mininterval=1.0)
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, training)
             idx = next(batches)
             counter.reset()
-            logits = model(input_ids=train_x[idx]).logits
+            if aux_loss_coef > 0:
+                out = model(input_ids=train_x[idx], output_router_logits=True)
+            else:
+                out = model(input_ids=train_x[idx])
+            logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_y[idx].reshape(-1))
+            total = loss + aux_loss_coef * out.aux_loss if aux_loss_coef > 0 else loss
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            total.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(training["grad_clip"]), foreach=False)
             optimizer.step()
-            _update_router_bias(counter, float(training["router_bias_update_rate"]))
+            if biased:
+                _update_router_bias(biased, counter.counts, float(training["router_bias_update_rate"]))
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         bar.close()
@@ -226,7 +265,9 @@ def train_toy_model(
 
     uniform = math.log(config.vocab_size)
     tail = losses[-max(1, steps // 10) :]
-    biases = torch.cat([r.e_score_correction_bias.detach().flatten() for r in routers(model)])
+    biases = (
+        torch.cat([r.e_score_correction_bias.detach().float().flatten() for r in biased]) if biased else None
+    )
     report = {
         "seed": seed,
         "threads": threads,
@@ -256,9 +297,9 @@ def train_toy_model(
             "max_prob": 1 / config.vocab_size,
         },
         "router_bias": {
-            "min": float(biases.min()),
-            "max": float(biases.max()),
-            "nonzero": int((biases != 0).sum()),
+            "min": float(biases.min()) if biases is not None else None,
+            "max": float(biases.max()) if biases is not None else None,
+            "nonzero": int((biases != 0).sum()) if biases is not None else 0,
             "last_step_max_load": max(float(x.max()) for x in loads) if loads else None,
             "last_step_min_load": min(float(x.min()) for x in loads) if loads else None,
         },

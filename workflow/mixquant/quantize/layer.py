@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from mixquant.checkpoint.shards import CheckpointError
 from mixquant.checkpoint.writer import SAFETENSORS_METADATA, save_file_sorted
+from mixquant.facts.jobs import gptq_chunk_experts
 from mixquant.formats.dequant import dequantize_tensors
 from mixquant.formats.facts import BF16, FORMATS, FP8, NVFP4
 from mixquant.formats.facts import NVFP4_GROUP_SIZE as BLOCK_SIZE
@@ -67,7 +68,9 @@ LAYER_FILE = "layer.safetensors"
 AUDIT_FILE = "audit.json"
 INPUT_SCALE_SOURCE = "layer-shared (ModelOpt per-layer input quantizer)"
 
-_PARAM_KEYS = {NVFP4: {"calibration"}, FP8: {"weight_calibration"}, BF16: set()}
+_PARAM_KEYS = {NVFP4: {"calibration", "rounding", "gptq"}, FP8: {"weight_calibration"}, BF16: set()}
+NVFP4_ROUNDINGS = ("rtn", "gptq")
+GPTQ_KEYS = ("damping", "block_size", "order", "min_tokens")
 # Accepted spellings of the two layer-shared activation amaxes (the first is canonical).
 _AMAX_KEYS = {"gate_up": ("gate_up", "gate_up_input_amax"), "down": ("down", "down_input_amax")}
 
@@ -90,6 +93,15 @@ def _validate_params(layer: int, fmt: str, params: Mapping[str, Any] | None) -> 
             f"layer {layer}: nvfp4_w4a16 params need calibration in {NVFP4_CALIBRATIONS}, "
             f"got {params.get('calibration')!r}"
         )
+    if fmt == NVFP4 and params.get("rounding", "rtn") not in NVFP4_ROUNDINGS:
+        raise QuantizeInputError(
+            f"layer {layer}: nvfp4_w4a16 rounding must be one of {NVFP4_ROUNDINGS}, "
+            f"got {params['rounding']!r}"
+        )
+    if fmt == NVFP4 and params.get("rounding") == "gptq":
+        gptq = params.get("gptq")
+        if not isinstance(gptq, Mapping) or sorted(gptq) != sorted(GPTQ_KEYS):
+            raise QuantizeInputError(f"layer {layer}: gptq rounding needs gptq settings {list(GPTQ_KEYS)}")
     if fmt == FP8 and params.get("weight_calibration") not in FP8_WEIGHT_CALIBRATIONS:
         raise QuantizeInputError(
             f"layer {layer}: fp8 params need weight_calibration in {FP8_WEIGHT_CALIBRATIONS}, "
@@ -172,30 +184,54 @@ def _relative(sq_err: float, sq_ref: float) -> float:
     return 0.0 if sq_err == 0 else math.inf
 
 
+def nvfp4_prepared(weights: Mapping[str, torch.Tensor], calibration: str) -> dict[str, Any]:
+    """One expert's NVFP4 quantizer state: ``global_amax`` (shared by gate and up, one quantizer over the
+    fused ``[2I, H]`` slice), the per-block amax the calibration chooses on the BF16 weight (fixed for any
+    rounding), and ``rounded``: the weights the export rounds (the source; GPTQ replaces them)."""
+    from mixquant.formats.nvfp4 import shared_global_amax  # lazy: imports modelopt
+
+    g_gate_up = shared_global_amax(weights["gate_proj"], weights["up_proj"])
+    global_amax = {
+        "gate_proj": g_gate_up,
+        "up_proj": g_gate_up,
+        "down_proj": shared_global_amax(weights["down_proj"]),
+    }
+    block_amax = {p: nvfp4_block_amax(weights[p], global_amax[p], calibration) for p in PROJECTIONS}
+    return {"global_amax": global_amax, "block_amax": block_amax, "rounded": dict(weights)}
+
+
 def _quantize_expert(
     prefixes: Mapping[str, str],
     weights: Mapping[str, torch.Tensor],
     fmt: str,
     params: Mapping[str, Any],
     input_scales: Mapping[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
+    prepared: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Exported tensors of one expert (natural name order); ``prefixes[proj]``: its disk names without
-    ``.weight`` (ModelOpt's export writes the checkpoint's own names back)."""
+    ``.weight`` (ModelOpt's export writes the checkpoint's own names back). NVFP4: ``prepared``
+    (:func:`nvfp4_prepared`, made here when None) holds the block scales and the weights to round -- the
+    source, or GPTQ's compensated weights (:class:`_GptqLayer`), whose codes the export is checked to keep;
+    the second value is then each projection's calibration output error, RTN and GPTQ."""
     out: dict[str, torch.Tensor] = {}
+    errors = None
     gate, up, down = (weights[p] for p in PROJECTIONS)
     if fmt == BF16:
         for proj in PROJECTIONS:
             out[f"{prefixes[proj]}.weight"] = weights[proj]
     elif fmt == NVFP4:
-        from mixquant.formats.nvfp4 import nvfp4_export_tensors, shared_global_amax  # lazy: imports modelopt
+        from mixquant.formats.nvfp4 import nvfp4_export_tensors  # lazy: imports modelopt
 
-        g_gate_up = shared_global_amax(gate, up)  # one quantizer over the fused [2I, H] slice
-        for proj, g in (("gate_proj", g_gate_up), ("up_proj", g_gate_up), ("down_proj", None)):
-            w = weights[proj]
-            g = shared_global_amax(w) if g is None else g
-            packed, scale, scale_2 = nvfp4_export_tensors(w, nvfp4_block_amax(w, g, params["calibration"]), g)
+        prepared = prepared or nvfp4_prepared(weights, params["calibration"])
+        rounded, errors = prepared["rounded"], prepared.get("errors")
+        for proj in PROJECTIONS:
+            packed, scale, scale_2 = nvfp4_export_tensors(
+                rounded[proj], prepared["block_amax"][proj], prepared["global_amax"][proj]
+            )
             p = prefixes[proj]
             out[f"{p}.weight"], out[f"{p}.weight_scale"], out[f"{p}.weight_scale_2"] = packed, scale, scale_2
+            if errors is not None:
+                _check_gptq_codes(p, out, rounded[proj])
     else:
         amax_fn = fp8_mse_weight_amax if params["weight_calibration"] == "mse" else fp8_max_amax
         gate_up = torch.cat([gate, up])  # gate rows first, as gate_up_proj[e]
@@ -210,7 +246,19 @@ def _quantize_expert(
             p = prefixes[proj]
             out[f"{p}.weight"], out[f"{p}.weight_scale"] = weight, scale
             out[f"{p}.input_scale"] = input_scales[key].clone()  # own storage per tensor (safetensors)
-    return out
+    return out, errors
+
+
+def _check_gptq_codes(base: str, exported: Mapping[str, torch.Tensor], compensated: torch.Tensor) -> None:
+    """The export rounded GPTQ's compensated weights to the codes GPTQ chose for them (same scales, same
+    rounding): a mismatch is a bug, never a checkpoint."""
+    from mixquant.formats.nvfp4_gptq import nvfp4_rtn, nvfp4_scales  # lazy: imports modelopt
+
+    own = {n: t for n, t in exported.items() if n.startswith(base + ".")}
+    shipped = dequantize_tensors(own, torch.float32)[f"{base}.weight"]
+    chosen = nvfp4_rtn(compensated, nvfp4_scales(own[f"{base}.weight_scale"], own[f"{base}.weight_scale_2"]))
+    if not torch.equal(shipped, chosen):
+        raise RuntimeError(f"{base}: the exported NVFP4 codes are not the ones GPTQ chose")
 
 
 def _tensor_audit(
@@ -243,6 +291,114 @@ def _tensor_audit(
     return entry, (sq_err, sq_ref, source.numel(), rel)
 
 
+class _GptqLayer:
+    """A layer's GPTQ rounding (NVFP4 with ``rounding: gptq``): its recorded expert inputs, each expert's
+    Hessians (or None: round to nearest), and the audit -- who fell back to RTN and the calibration output
+    error of both roundings."""
+
+    def __init__(self, layer, params, expert_inputs, model_dir, device, num_experts: int) -> None:
+        self.enabled = params.get("rounding") == "gptq"
+        self.settings = dict(params.get("gptq") or {})
+        self.fallback: list[int] = []
+        self.errors = {p: {"rtn": 0.0, "gptq": 0.0, "reference": 0.0} for p in PROJECTIONS}
+        self.inputs = None
+        self.tokens: list[int] = []
+        if not self.enabled:
+            return
+        if expert_inputs is None or not Path(expert_inputs).is_file():
+            raise QuantizeInputError(
+                f"layer {layer}: gptq rounding needs the layer's expert inputs (collect_expert_inputs), "
+                f"got {expert_inputs!r}"
+            )
+        from mixquant.quantize.gptq import load_layer_inputs  # lazy: imports transformers
+
+        self.inputs = load_layer_inputs(expert_inputs, model_dir, device)
+        self.tokens = self.inputs.routed_counts(num_experts)
+
+    def chunk_size(self, shapes: Mapping[str, Any], device: torch.device) -> int:
+        """Experts rounded as one batch (:func:`mixquant.facts.jobs.gptq_chunk_experts`)."""
+        inter, hidden = shapes["gate_proj"][-2], shapes["gate_proj"][-1]
+        return gptq_chunk_experts(hidden, inter, str(device)) if self.enabled else 1
+
+    def prepare(self, chunk: list[tuple[int, dict[str, torch.Tensor]]], params: Mapping[str, Any]) -> dict:
+        """``{expert: nvfp4_prepared(...)}`` for a chunk; with GPTQ, the rounded weights are the
+        compensated ones (one batch for the experts with enough tokens) and the errors are filled in."""
+        from mixquant.formats.cpu_fake_quant import static_nvfp4_scales  # lazy: imports modelopt
+        from mixquant.quantize.gptq import ExpertHessians, gptq_expert_weights  # lazy: imports transformers
+
+        prepared = {e: nvfp4_prepared(weights, params["calibration"]) for e, weights in chunk}
+        if not self.enabled:
+            return prepared
+        rounded = []
+        for e, _ in chunk:
+            if self.tokens[e] < int(self.settings["min_tokens"]):
+                self.fallback.append(e)
+            else:
+                rounded.append(e)
+        if rounded:
+            weights = dict(chunk)
+            scales = [
+                {
+                    p: static_nvfp4_scales(
+                        weights[e][p], prepared[e]["block_amax"][p], prepared[e]["global_amax"][p], BLOCK_SIZE
+                    )
+                    for p in PROJECTIONS
+                }
+                for e in rounded
+            ]
+            hessians = [
+                ExpertHessians(self.inputs, e, weights[e]["gate_proj"], weights[e]["up_proj"])
+                for e in rounded
+            ]
+            results = gptq_expert_weights([weights[e] for e in rounded], scales, hessians, self.settings)
+            for e, (compensated, errors) in zip(rounded, results, strict=True):
+                prepared[e]["rounded"], prepared[e]["errors"] = compensated, errors
+                for proj, values in errors.items():
+                    for kind, value in values.items():
+                        self.errors[proj][kind] += value
+        return prepared
+
+    def audit(self) -> dict[str, Any]:
+        projections = {
+            proj: {**e, "ratio": e["gptq"] / e["rtn"] if e["rtn"] > 0 else None}
+            for proj, e in self.errors.items()
+        }
+        rtn, gptq = (sum(e[k] for e in self.errors.values()) for k in ("rtn", "gptq"))
+        return {
+            "settings": self.settings,
+            "experts_gptq": len(self.tokens) - len(self.fallback),
+            "rtn_fallback": len(self.fallback),
+            "rtn_fallback_experts": self.fallback,
+            "tokens_per_expert": self.tokens,
+            "calibration_output_error": {
+                "projections": projections,
+                "rtn": rtn,
+                "gptq": gptq,
+                "ratio": gptq / rtn if rtn > 0 else None,
+                "over": "the GPTQ experts' calibration tokens: sum over tokens of ||(W - Q) x||^2",
+            },
+        }
+
+
+def _experts_in_chunks(source: LayerSource, device: torch.device, fmt: str, params, gptq: _GptqLayer):
+    """``(expert, weights on device, NVFP4 prepared state or None)`` in expert order: one expert at a time,
+    or with GPTQ a chunk at a time (the chunk's experts are rounded as one batch)."""
+    chunk: list[tuple[int, dict[str, torch.Tensor]]] = []
+    size = gptq.chunk_size(source.shapes, device)
+    experts = source.experts()
+    while True:
+        for e, weights in experts:
+            chunk.append((e, {proj: weight.to(device) for proj, weight in weights.items()}))
+            if len(chunk) == size:
+                break
+        if not chunk:
+            return
+        prepared = gptq.prepare(chunk, params) if fmt == NVFP4 else {}
+        for e, weights in chunk:
+            yield e, weights, prepared.get(e)
+        chunk = []
+
+
 @torch.no_grad()
 def quantize_layer(
     model_dir: Path,
@@ -251,6 +407,7 @@ def quantize_layer(
     params: dict,
     *,
     activation_amax: dict | None = None,
+    expert_inputs: str | Path | None = None,
     progress: bool = False,
     device: str | torch.device = "cpu",
 ) -> tuple[dict[str, torch.Tensor], dict]:
@@ -264,6 +421,9 @@ def quantize_layer(
             ``down_input_amax`` are accepted spellings), applied to *every* expert as ModelOpt's one input
             quantizer per layer does; optional ``"routed_tokens"`` ([E] token counts) to report experts
             that were never routed (they get the same layer-shared input_scale).
+        expert_inputs: NVFP4 with ``rounding: gptq`` only (required there): this layer's file of
+            ``collect_expert_inputs`` (:func:`mixquant.quantize.expert_inputs.expert_inputs_file`), the
+            tokens the router sent each expert in calibration.
         progress: show a per-expert progress bar (stderr).
         device: where the scale search and the export arithmetic run (each expert's weights are moved
             there; the exported tensors come back to the CPU). ModelOpt's export numerics on every
@@ -307,10 +467,10 @@ def quantize_layer(
         bar = tqdm(total=source.num_experts, desc=f"layer {layer} {fmt}", disable=not progress, leave=False)
         device = torch.device(device)
         input_scales = {key: scale.to(device) for key, scale in input_scales.items()}
-        for e, weights in source.experts():
-            weights = {proj: weight.to(device) for proj, weight in weights.items()}
+        gptq = _GptqLayer(layer, params, expert_inputs, model_dir, device, source.num_experts)
+        for e, weights, prepared in _experts_in_chunks(source, device, fmt, params, gptq):
             prefixes = {proj: source.prefix(e, proj) for proj in PROJECTIONS}
-            exported = _quantize_expert(prefixes, weights, fmt, params, input_scales)
+            exported, _ = _quantize_expert(prefixes, weights, fmt, params, input_scales, prepared)
             dequantized = dequantize_tensors(exported)
             for proj in PROJECTIONS:
                 base = prefixes[proj]
@@ -343,6 +503,10 @@ def quantize_layer(
         },
         "tensors": per_tensor,
     }
+    if fmt == NVFP4:
+        audit["rounding"] = params.get("rounding", "rtn")
+        if gptq.enabled:
+            audit["gptq"] = gptq.audit()
     if fmt == FP8:
         audit["input_scale_source"] = INPUT_SCALE_SOURCE
         audit["input_amax"] = {k: float(v) for k, v in input_amax.items()}

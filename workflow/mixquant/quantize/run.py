@@ -25,6 +25,7 @@ from mixquant.quantize.activations import (
     load_activation_stats,
     save_activation_stats,
 )
+from mixquant.quantize.expert_inputs import expert_inputs_file
 from mixquant.quantize.layer import quantize_layer, save_layer_result
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def run_quantize_layer(
     *,
     model: str | Path,
     activations: str | Path | None = None,
+    expert_inputs: str | Path | None = None,
     settings: dict[str, Any],
     preimage: dict[str, Any],
 ) -> Path:
@@ -100,6 +102,7 @@ def run_quantize_layer(
                 fmt,
                 settings["params"],
                 activation_amax=activation_amax,
+                expert_inputs=None if expert_inputs is None else expert_inputs_file(expert_inputs, layer),
                 device=settings.get("numerics", {}).get("device", "cpu"),
             )
             save_layer_result(tensors, audit, layer_result_dir(tmp, layer))

@@ -12,6 +12,7 @@ beside ``repo/``, the directory to publish -- only what a model repository holds
     hf_quant_config.json, tokenizer files, ...   the checkpoint (hardlinked from export_checkpoint)
     checkpoint_audit.json                         the export's audit (inspection vs prediction)
     placement_audit.json                          solve_placement's audit (with a search)
+    refine_audit.json                             refine_placement's audit (with a refined search)
     quantization_recipe.yaml                      the resolved config + the placement: replays the build
     kld/<candidate>.<kv dtype>.json               gate_kld's aggregate per candidate x KV-cache dtype
     kld/report.json, kld/kl_cdf_domains_<kv>.png  kld_report's report (the suite, the decomposition, the
@@ -49,6 +50,7 @@ from mixquant.keys.manifest import MANIFEST, SNAKEMAKE_TIMESTAMP, publish_keyed_
 from mixquant.kld.run import AGGREGATE_JSON, LOGITS_FILE, REFERENCE_JSON, REPORT_JSON, VERDICT_JSON
 from mixquant.release.card_kld import DOMAIN_PLOT_PREFIX
 from mixquant.release.recipe import RECIPE_FILE, recipe_yaml
+from mixquant.search.refine import REFINE_AUDIT_FILE
 from mixquant.search.run import AUDIT_FILE as PLACEMENT_AUDIT
 
 log = logging.getLogger(__name__)
@@ -177,6 +179,7 @@ def write_repo(
     recipe_text: str,
     placement: str | Path | None,
     gate_docs: list[dict[str, Any]],
+    refined: Path | None = None,
     reference_dir: Path,
     prompt_dir: Path,
     reference_doc: dict[str, Any],
@@ -199,6 +202,8 @@ def write_repo(
     (tmp / RECIPE_FILE).write_text(recipe_text, encoding="utf-8")
     if placement is not None:
         shutil.copyfile(Path(placement) / PLACEMENT_AUDIT, tmp / PLACEMENT_AUDIT)
+    if refined is not None:
+        shutil.copyfile(refined / REFINE_AUDIT_FILE, tmp / REFINE_AUDIT_FILE)
     for doc in gate_docs:
         target = tmp / gate_file_name(doc["candidate"], doc["kv_cache_dtype"])
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +231,7 @@ def run_assemble_release(
     reference: str | Path,
     verdict: str | Path,
     placement: str | Path | None = None,
+    refined: str | Path | None = None,
     kld_report: str | Path | None = None,
     settings: dict[str, Any],
     preimage: dict[str, Any],
@@ -252,6 +258,13 @@ def run_assemble_release(
             "placement audit",
             error=ReleaseInputError,
         )
+    refine_audit = None
+    if refined is not None:
+        refine_audit = read_json(
+            _keyed_dir(refined, "refine_placement") / REFINE_AUDIT_FILE,
+            "refine audit",
+            error=ReleaseInputError,
+        )
     gate_docs = read_gate_documents(recipe, gates)
     report, plots = read_report(kld_report)
     reference_dir = _keyed_dir(reference, "reference_logits")
@@ -274,6 +287,7 @@ def run_assemble_release(
 
     files = [p.as_posix() for p in checkpoint_files(checkpoint_dir)]
     extra = [RECIPE_FILE] + ([PLACEMENT_AUDIT] if placement_audit is not None else [])
+    extra += [REFINE_AUDIT_FILE] if refine_audit is not None else []
     extra += [gate_file_name(doc["candidate"], doc["kv_cache_dtype"]) for _, doc in gate_docs]
     extra += [f"{KLD_DIR}/{REPORT_JSON}"] if report is not None else []
     extra += [f"{KLD_DIR}/{plot.name}" for plot in plots]
@@ -293,6 +307,7 @@ def run_assemble_release(
         producer=audit["producer"],
         verdict=verdict_doc,
         placement_audit=placement_audit,
+        refine_audit=refine_audit,
         model_type=model_config.get("model_type"),
         files=sorted(files + extra),
         numerics=numerics,
@@ -317,6 +332,7 @@ def run_assemble_release(
             checkpoint_dir=checkpoint_dir,
             recipe_text=recipe_yaml(recipe, header),
             placement=placement if placement_audit is not None else None,
+            refined=None if refine_audit is None else _keyed_dir(refined, "refine_placement"),
             gate_docs=[doc for _, doc in gate_docs],
             reference_dir=reference_dir,
             prompt_dir=prompt_dir,

@@ -33,6 +33,7 @@ from mixquant.release.card_kld import (
     suite_lines,
     verdict_words,
 )
+from mixquant.release.card_method import numerics_line, refine_lines
 from mixquant.release.hashes import (
     HASH_KINDS,
     HASH_NAMES,
@@ -81,6 +82,7 @@ class CardInputs:
     producer: Mapping[str, Any]  # export producer: mixquant and ModelOpt versions
     verdict: Mapping[str, Any]  # check_kld_gates verdict.json
     placement_audit: Mapping[str, Any] | None = None  # solve_placement's audit (search only)
+    refine_audit: Mapping[str, Any] | None = None  # refine_placement's audit (a refined search only)
     model_type: str | None = None  # config.json model_type
     files: Sequence[str] = ()  # the bundle's files (besides README.md)
     numerics: Mapping[str, Any] | None = None  # the reference logits' decisive numerics fingerprint
@@ -231,6 +233,7 @@ def _placement_section(inputs: CardInputs) -> list[str]:
             f"{budget['effective_bits']:.4f}; predicted summed KL per token {audit['objective']:.6g}. "
             "Scores are KL(BF16 ‖ only that layer's routed experts quantized) per calibration token.",
         ]
+        lines += refine_lines(inputs.refine_audit)
     else:
         lines += ["", "The placement was given explicitly in the config (`placement.source: explicit`)."]
     lines += ["", *_layer_table(inputs)]
@@ -393,12 +396,7 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
         f"- Calibration: {calibration['num_samples']} samples × {calibration['seq_len']} tokens "
         f"(seed {calibration['seed']}) from {_dataset_text(recipe['dataset'])}."
     )
-    quantize = recipe["quantize"]
-    lines.append(
-        f"- Numerics: NVFP4 W4A16 block scales `{quantize['nvfp4_w4a16']['calibration']}`, FP8 weight scales "
-        f"`{quantize['fp8']['weight_calibration']}` with static input scales from activation statistics; "
-        "bit-identical to ModelOpt's own `mtq.quantize` + `export_hf_checkpoint`."
-    )
+    lines.append(numerics_line(recipe["quantize"]))
     lines.append(
         f"- Produced by mixquant {producer.get('version')} with ModelOpt (nvidia-modelopt) "
         f"{_modelopt_version(producer)} numerics; checkpoint key `{inputs.keys['checkpoint']}` (a hash of "

@@ -43,6 +43,22 @@ def placement_line(art: Artifact) -> str:
     return line + (f"; layers: {layers}" if layers else "")
 
 
+def rounding_line(artifacts: Mapping[str, Artifact]) -> str:
+    """How the NVFP4 layers were rounded (the rebuild's setting): rtn (ModelOpt's export) or gptq."""
+    roundings = sorted(
+        {
+            str(art.settings["params"].get("rounding", "rtn"))
+            for art in artifacts.values()
+            if art.stage == "quantize_layer" and art.settings.get("format") == "nvfp4_w4a16"
+        }
+    )
+    words = {
+        "rtn": "rtn (round to nearest: ModelOpt's export)",
+        "gptq": "gptq (error-compensating, same scales)",
+    }
+    return "NVFP4 rounding: " + (", ".join(words.get(r, r) for r in roundings) or "none (no NVFP4 layer)")
+
+
 def verdict_word(verdict: Mapping[str, Any]) -> str:
     """A gate's verdict as the summary says it: its word (pass, FAIL, REPEAT-REQUIRED; "not gated" with no
     check), or passed / FAILED for a verdict recorded without a word."""
@@ -91,10 +107,14 @@ def verify_line(art: Artifact) -> str:
 
 
 def run_summary(artifacts: Mapping[str, Artifact]) -> list[str]:
-    """What a finished run made, from its outputs (those built): the placement and its bits, each KLD
+    """What a finished run made, from its outputs (those built): the placement and its bits, the NVFP4
+    rounding, each KLD
     gate's verdict and reduction, verify's counts (where the release is: mixquant.planning.run_end_lines)."""
     lines = []
-    sources: list[tuple[str, Callable[[Artifact], str]]] = [("placement", placement_line)]
+    placement = "refined" if "refined" in artifacts else "placement"
+    sources: list[tuple[str, Callable[[Artifact], str]]] = [(placement, placement_line)]
+    if "checkpoint" in artifacts:
+        sources.append(("checkpoint", lambda art: rounding_line(artifacts)))
     sources += [(name, gate_line) for name in sorted(artifacts) if name.startswith("gate/")]
     sources += [("verify", verify_line)]
     for name, line in sources:

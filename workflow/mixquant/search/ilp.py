@@ -35,6 +35,7 @@ from mixquant.search.groups import (
     BUDGET_TOL,
     FORMAT_BITS,
     OBJECTIVE_RTOL,
+    PlacementInfeasible,
     PlacementSolution,
     SearchGroup,
     budget_limit,
@@ -115,7 +116,13 @@ class _Cbc:
 class _Ilp:
     """The staged exact solve (see the module docstring)."""
 
-    def __init__(self, groups: tuple[SearchGroup, ...], target: float, cbc: _Cbc) -> None:
+    def __init__(
+        self,
+        groups: tuple[SearchGroup, ...],
+        target: float,
+        cbc: _Cbc,
+        excluded: Sequence[Mapping[str, str]] = (),
+    ) -> None:
         self.groups = groups
         self.target = target
         self.cbc = cbc
@@ -142,6 +149,19 @@ class _Ilp:
                 {k: float(c / self.limit) * _ROW_SCALE for k, c in self.cost.items()},
                 _ROW_SCALE,
             )
+        # no-good cuts: each excluded placement (group name -> format) differs from the answer somewhere
+        index = {g.name: i for i, g in enumerate(groups)}
+        self.excluded = [dict(choice) for choice in excluded]
+        self.exclusion_rows: list[_Row] = [
+            ({(index[name], fmt): 1.0 for name, fmt in choice.items()}, float(len(groups) - 1))
+            for choice in self.excluded
+        ]
+
+    def solve(
+        self, alive: Sequence[_Key], objective: Mapping[_Key, float], rows: Sequence[_Row], *, increment: bool
+    ) -> tuple[str, dict[int, str] | None]:
+        """CBC on ``rows`` and the exclusion cuts."""
+        return self.cbc.solve(alive, objective, [*rows, *self.exclusion_rows], increment=increment)
 
     # -- exact checks
     def choice_of(self, picked: Mapping[int, str]) -> dict[str, str]:
@@ -205,12 +225,20 @@ class _Ilp:
         best = self.greedy()
         upper = summed_score(self.groups, best)
         status = "Optimal"  # a placement scoring 0 needs no proof
+        if self.excluded:
+            # the greedy placement may be excluded, and the best one left may score above it: bound by the
+            # worst placement instead, and keep only what CBC finds
+            upper = sum(max(g.scores.values()) for g in self.groups)
+            best = None
         for _ in range(3):
-            if upper == 0:
+            if upper == 0 and best is not None:
                 break
             alive = [k for k in self.keys if self.score[k] <= upper]
-            objective = {k: self.score[k] / upper * _ROW_SCALE for k in alive}
-            solved, picked = self.cbc.solve(alive, objective, [self.budget_row], increment=True)
+            scale = upper if upper > 0 else 1.0
+            objective = {k: self.score[k] / scale * _ROW_SCALE for k in alive}
+            solved, picked = self.solve(alive, objective, [self.budget_row], increment=True)
+            if picked is None and best is None:
+                raise PlacementInfeasible(f"no placement left within the budget (CBC status {solved})")
             if picked is None:
                 raise RuntimeError(f"CBC failed on a feasible placement problem: status {solved}")
             status = solved
@@ -218,7 +246,7 @@ class _Ilp:
             if not self.fits(found):
                 raise RuntimeError("CBC returned a placement over the budget")
             found_score = summed_score(self.groups, found)
-            if found_score < summed_score(self.groups, best):
+            if best is None or found_score < summed_score(self.groups, best):
                 best = found
             if not found_score < upper / 2:
                 break
@@ -226,8 +254,11 @@ class _Ilp:
         return status, best
 
     def acceptable(self, choice: Mapping[str, str], optimum: float, cost_cap: Fraction | None) -> bool:
-        """Exact re-check of a tie-break answer: optimal score (to ``_CHECK_RTOL``), in budget, cost cap."""
+        """Exact re-check of a tie-break answer: optimal score (to ``_CHECK_RTOL``), in budget, cost cap,
+        not excluded."""
         if summed_score(self.groups, choice) > optimum * (1 + _CHECK_RTOL) or not self.fits(choice):
+            return False
+        if any(dict(choice) == excluded for excluded in self.excluded):
             return False
         return cost_cap is None or choice_cost(self.groups, choice) <= cost_cap
 
@@ -249,7 +280,7 @@ class _Ilp:
         else:
             total = total_weight(self.groups)
             cost_objective = {k: float(self.cost[k] / total) for k in alive}
-        cbc_status, picked = self.cbc.solve(
+        cbc_status, picked = self.solve(
             alive, cost_objective, [self.budget_row, *score_rows], increment=not self.integral
         )
         cheaper = None if picked is None else self.choice_of(picked)
@@ -270,7 +301,7 @@ class _Ilp:
             current = [rank[(i, best[self.groups[i].name])] for i in block]
             if not self.at_first_alive(best, alive, block):
                 lex = {(i, f): float(r * base ** (block[-1] - i)) for (i, f), r in rank.items() if r}
-                lex_status, picked = self.cbc.solve(
+                lex_status, picked = self.solve(
                     alive, lex, [self.cost_row(alive, cost), *score_rows], increment=False
                 )
                 first = None if picked is None else self.choice_of(picked)
@@ -301,3 +332,28 @@ def solve_ilp(groups: Iterable[SearchGroup], target_effective_bits: float) -> Pl
     with tempfile.TemporaryDirectory(prefix="mixquant-ilp-") as tmp_dir:
         status, choice = _Ilp(groups, target, _Cbc(len(groups), tmp_dir)).run()
     return make_solution(groups, choice, target, status, "ilp")
+
+
+def k_best_ilp(
+    groups: Iterable[SearchGroup], target_effective_bits: float, k: int
+) -> list[PlacementSolution]:
+    """The ``k`` placements of lowest summed score within the budget, best first (fewer when fewer exist).
+
+    The first is :func:`solve_ilp`'s; each next one is the exact optimum with every earlier one excluded by
+    a no-good cut (``sum_i x[i, f_i] <= n - 1``), ties broken the same way. Each answer is re-checked in
+    exact arithmetic (in budget, distinct)."""
+    groups = checked_groups(groups)
+    target = checked_target(target_effective_bits)
+    require_feasible(groups, target)
+    solutions: list[PlacementSolution] = []
+    with tempfile.TemporaryDirectory(prefix="mixquant-ilp-") as tmp_dir:
+        for _ in range(int(k)):
+            excluded = [s.choice for s in solutions]
+            try:
+                status, choice = _Ilp(groups, target, _Cbc(len(groups), tmp_dir), excluded).run()
+            except PlacementInfeasible:
+                break
+            if choice in excluded:
+                raise RuntimeError("placement ILP: the k-best solve returned an excluded placement")
+            solutions.append(make_solution(groups, choice, target, status, "ilp"))
+    return solutions

@@ -22,7 +22,7 @@ from matplotlib.patches import Rectangle
 from mixquant.checkpoint.atomic import atomic_open
 from mixquant.search.groups import FORMAT_BITS
 
-__all__ = ["plot_frontier", "plot_score_heatmap"]
+__all__ = ["plot_frontier", "plot_refinement", "plot_score_heatmap"]
 
 DPI = 120
 
@@ -192,4 +192,44 @@ def plot_score_heatmap(
     ax.set_ylim(n_rows - 0.5, -0.5)
     ax.tick_params(axis="x", top=True, labeltop=True, bottom=False, labelbottom=False)
     ax.set_title(title + ("  (red: chosen)" if chosen else ""), fontsize=10)
+    return _save(fig, out_path)
+
+
+def plot_refinement(
+    candidates: Sequence[Mapping[str, Any]],
+    out_path: str | os.PathLike[str],
+    *,
+    chosen: int,
+    title: str = "Refinement: predicted vs measured KL of the K best placements",
+) -> Path:
+    """Measured KL (all placed layers quantized, held-out sequences) against predicted KL (summed layer
+    scores) for each candidate, labelled by predicted rank; ``chosen`` (1-based) is starred, and the
+    diagonal y = x shows where the prediction would be exact."""
+    if not candidates:
+        raise ValueError("no refinement candidates to plot")
+    xs = [float(c["predicted"]) for c in candidates]
+    ys = [float(c["measured"]) for c in candidates]
+    fig = _new_figure(6.4, 4.8)
+    ax = fig.add_subplot()
+    ax.scatter(xs, ys, s=36, color="tab:blue", zorder=3, label="candidate (predicted rank)")
+    for c, x, y in zip(candidates, xs, ys, strict=True):
+        ax.annotate(str(c["predicted_rank"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    pick = candidates[chosen - 1]
+    ax.scatter(
+        [float(pick["predicted"])],
+        [float(pick["measured"])],
+        marker="*",
+        s=220,
+        color="tab:red",
+        edgecolor="black",
+        zorder=4,
+        label=f"kept: predicted rank {pick['predicted_rank']}, measured {float(pick['measured']):.3g}",
+    )
+    lo, hi = min(xs + ys), max(xs + ys)
+    ax.plot([lo, hi], [lo, hi], "--", color="grey", linewidth=1, label="measured = predicted")
+    ax.set_xlabel("predicted KL per token (sum of layer scores, scored sequences)")
+    ax.set_ylabel("measured KL per token (held-out sequences)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.35)
+    ax.legend(fontsize=8, loc="best")
     return _save(fig, out_path)
