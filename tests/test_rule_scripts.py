@@ -28,12 +28,24 @@ def _script():
 
 def _planned_jobs() -> dict[str, object]:
     """One planned artifact per stage: the default config (its placement.explicit standing in for the solve),
-    the same config retraining the toy, and a block-FP8 hub model."""
+    the same config retraining the toy, the same config with GPTQ rounding and a refined placement, and a
+    block-FP8 hub model."""
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     retrain = {**default, "model": {**default["model"], "source": "toy"}}
+    refined = {
+        **default,
+        "quantize": {
+            **default["quantize"],
+            "nvfp4_w4a16": {**default["quantize"]["nvfp4_w4a16"], "rounding": "gptq"},
+        },
+        "placement": {
+            **default["placement"],
+            "search": {**(default["placement"].get("search") or {}), "refine": {"candidates": 2}},
+        },
+    }
     deepseek = yaml.safe_load((REPO / "config" / "deepseek-v3.yaml").read_text())
     jobs = {}
-    for raw in (default, retrain, deepseek):
+    for raw in (default, retrain, refined, deepseek):
         cfg = validate_config(raw)
         placement = placement_from_config(cfg) if cfg.placement.explicit is not None else None
         for art in resolve_artifacts(cfg, placement=placement).values():
