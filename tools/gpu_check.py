@@ -128,7 +128,14 @@ SMALL = Sizes(
     gptq_experts=(1, 2),
 )
 # Seconds a section needs at least on the device; it is skipped when less of the budget is left.
-RESERVE_S = {"h2d": 15, "laguna_layer": 45, "stacked_branches": 45, "lm_head_kl": 15, "toy_gpu_vs_cpu": 60, "gptq": 30}
+RESERVE_S = {
+    "h2d": 15,
+    "laguna_layer": 45,
+    "stacked_branches": 45,
+    "lm_head_kl": 15,
+    "toy_gpu_vs_cpu": 60,
+    "gptq": 30,
+}
 
 
 # ----------------------------------------------------------------------------------------- the run
