@@ -27,6 +27,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check .
 	$(BIN)/snakemake --lint --cores 1
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Debian's SLURM and munge, for the local-cluster test (tools/slurm-local; needs root or sudo).
 slurm:

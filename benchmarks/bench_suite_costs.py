@@ -13,7 +13,7 @@ thread: the process's CPU time is the work's, whatever else shares the machine):
 * the vLLM engine's off-engine lm_head (``F.linear`` of fp32 hidden states [positions, hidden] with the fp32
   lm_head [vocab, hidden], rounded to bf16), FLOP/s (2 x positions x hidden x vocab).
 
-These are the ``cpu_*_per_core`` rates of :class:`mixquant.costs.Hardware` (README "Cluster cost model").
+These are the ``cpu_*_per_core`` rates of :class:`mixquant.costs.Hardware` (docs/cost-model.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The library's floors (the README's map): imports point down, no import circle, files a reader can hold.
+"""The library's floors (docs/architecture.md): imports point down, no import circle, files a reader can hold.
 
 Every import of ``workflow/mixquant`` is read with ``ast``, the ones inside functions included (an import
-inside a function still runs, and is how a circle hides), and checked against the table in the README's
-"Architecture" section.
+inside a function still runs, and is how a circle hides), and checked against the floor table on
+the docs' architecture page.
 """
 
 from __future__ import annotations
@@ -71,17 +71,15 @@ def package_of(module: str) -> str:
 
 
 def readme_floors() -> dict[str, int]:
-    """package -> floor, from the table in the README's Architecture section."""
-    text = (ROOT / "README.md").read_text("utf-8")
-    section = text.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    """package -> floor, from the table on the architecture page of the docs."""
     floors = {}
-    for line in section.splitlines():
+    for line in (ROOT / "docs" / "architecture.md").read_text("utf-8").splitlines():
         row = re.match(r"^\| (\d+) \| ([^|]+) \|", line)
         if row:
             for package in re.findall(r"`([a-z_]+)`", row.group(2)):
-                assert package not in floors, f"README map: {package} is on two floors"
+                assert package not in floors, f"docs/architecture.md: {package} is on two floors"
                 floors[package] = int(row.group(1))
-    assert floors, "README: no floor table in the Architecture section"
+    assert floors, "docs/architecture.md: no floor table"
     return floors
 
 
@@ -115,8 +113,8 @@ def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
 def test_every_package_is_on_the_map():
     floors = readme_floors()
     packages = {package_of(module) for module in MODULES}
-    assert sorted(packages - set(floors)) == [], "packages the README's map does not place"
-    assert sorted(set(floors) - packages) == [], "the README's map names packages that do not exist"
+    assert sorted(packages - set(floors)) == [], "packages docs/architecture.md does not place"
+    assert sorted(set(floors) - packages) == [], "docs/architecture.md names packages that do not exist"
 
 
 def test_imports_point_down():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mixquant.config import load_config_file, validate_config
+from mixquant.config import validate_config
 from mixquant.keys.canonical import canonical_sha256
 from mixquant.keys.manifest import verify_manifest, write_manifest
 from mixquant.kld.suite_tables import decomposition, domain_rows
@@ -20,7 +20,7 @@ from model_card_checks import check_uploadable
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEMENT = {layer: "nvfp4_w4a16" for layer in range(1, 5)} | {5: "fp8", 6: "fp8", 7: "bf16", 8: "bf16"}
-CANDIDATES = ("searched", "modelopt-autoquantize", "uniform-nvfp4", "bf16")  # config/config.yaml's
+CANDIDATES = ("searched", "modelopt-autoquantize", "uniform-nvfp4", "bf16")  # toy_config()'s
 KV = ("bfloat16", "fp8")
 
 
@@ -77,8 +77,14 @@ def upstream(release_dirs, make_keyed_dir):
     return dirs
 
 
+def toy_config():
+    """config/config.yaml with ModelOpt's own placement as a fourth candidate (the default leaves it out)."""
+    modelopt = {"name": "modelopt-autoquantize", "source": "modelopt_autoquantize"}
+    return _config(edit=lambda document: document["kld"]["candidates"].insert(1, modelopt))
+
+
 def _release(upstream, tmp_path, cfg=None, **changes):
-    recipe = recipe_document(cfg or load_config_file(REPO / "config/config.yaml"), PLACEMENT)
+    recipe = recipe_document(cfg or toy_config(), PLACEMENT)
     keys = {role: Path(path).name for role, path in upstream.items()}
     preimage = {"stage": "assemble_release", "config": {"recipe": recipe}, "upstream": keys}
     out = tmp_path / "results" / "assemble_release" / canonical_sha256(preimage)
@@ -197,14 +203,15 @@ def _add_gates(upstream, make_keyed_dir, candidate, engine=None):
 
 @pytest.mark.parametrize("repo_id", [None, "someone/toy-laguna-mixquant"])
 def test_the_card_uploads_as_is_with_the_bits_of_every_candidate(upstream, tmp_path, make_keyed_dir, repo_id):
-    """The toy's card with two more candidates, a uniform FP8 (8 bits, its KLD lower than the searched
-    checkpoint's 8.25 bits would suggest it wins) and an explicit map whose bits come from the layer formats
-    the KLD engine recorded: the Hub's parser takes it, it names only files it ships, and each row states
-    its candidate's bits."""
+    """The toy's card with ModelOpt's placement and two more candidates, a uniform FP8 (8 bits, its KLD lower
+    than the searched checkpoint's 8.25 bits would suggest it wins) and an explicit map whose bits come from
+    the layer formats the KLD engine recorded: the Hub's parser takes it, it names only files it ships, and
+    each row states its candidate's bits."""
 
     def edit(config):
         config["release"]["repo_id"] = repo_id
         config["kld"]["candidates"] += [
+            {"name": "modelopt-autoquantize", "source": "modelopt_autoquantize"},
             {"name": "uniform-fp8", "source": "uniform", "format": "fp8"},
             {
                 "name": "fp8-half",
@@ -281,7 +288,7 @@ def test_a_hub_release_names_its_base_model_and_the_vllm_the_gates_ran_with(
 def test_the_upload_check_finds_what_a_hub_user_would(upstream, tmp_path, old, new, problem):
     """The check fails on each problem a card could have: the wrong library, a license without its link, a
     local path, a file that is not in the repository, a bare model name to serve, a candidate's wrong bits."""
-    cfg = load_config_file(REPO / "config/config.yaml")
+    cfg = toy_config()
     repo = _release(upstream, tmp_path, cfg) / "repo"
     recipe = recipe_document(cfg, PLACEMENT)
     bits = {"searched": 8.25, "modelopt-autoquantize": None, "uniform-nvfp4": 4.5, "bf16": 16.0}
@@ -356,7 +363,7 @@ def test_a_suite_release_ships_the_report_and_the_per_domain_plots_its_card_show
         (report_dir / f"kl_cdf_domains_{kv}.png").write_bytes(data)
     (report_dir / "kl_per_position_fp8.png").write_bytes(b"not shipped")
     write_manifest(report_dir, {"label": report_dir.name})
-    cfg = load_config_file(REPO / "config/config.yaml")
+    cfg = toy_config()
     repo = _release(upstream | {"kld_report": report_dir}, tmp_path, cfg) / "repo"
     assert sorted(
         p.name for p in (repo / "kld").iterdir() if not p.name.endswith(f".{KV[0]}.json")

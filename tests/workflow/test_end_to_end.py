@@ -1,6 +1,6 @@
 """The default DAG for real: the shipped toy Laguna, sample calibration, pin the prompt.
 
-Then the cache behaviour the README promises: a no-op rerun plans nothing; a changed knob reruns
+Then the cache behaviour the docs promise: a no-op rerun plans nothing; a changed knob reruns
 exactly its stage; reverting it reruns nothing and finds the earlier directory.
 """
 
@@ -15,6 +15,8 @@ from mixquant.keys.manifest import read_manifest, verify_manifest
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _dir(wd, paths, name) -> Path:
@@ -71,15 +73,13 @@ def test_changing_calibration_reruns_only_calibration_and_reverting_finds_the_ol
     changed = wd.write_config("config/fewer-samples.yaml", config)
     # Nothing upstream reruns; downstream, only what reads calibration: activations, the FP8 layer
     # results (one window of all 8 MoE layers: the search scores FP8 everywhere), the score passes (16
-    # sequences: one pass of macro_batch 32), the solve, and ModelOpt's AutoQuantize placement (its own
-    # calibration and scores).
+    # sequences: one pass of macro_batch 32) and the solve.
     assert wd.plan(changed) == {
         "sample_calibration": 1,
         "collect_activation_stats": 1,
         "quantize_layer": 1,
         "score_sensitivity": 1,
         "solve_placement": 1,
-        "autoquantize_placement": 1,
     }
     wd.snakemake(wd.paths(changed)["calibration"]["path"], "--configfile", changed)
     after = wd.paths(changed)
@@ -170,15 +170,14 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
         "score_sensitivity": 2,
         "solve_placement": 1,
     }
-    # and the KLD candidates with NVFP4 layers: the uniform-NVFP4 one and ModelOpt's AutoQuantize placement
-    # (known: its stage does not read the NVFP4 settings), their exports, runs and the gates that compare
-    # with them (the BF16 self-check's too: uniform NVFP4 is its baseline)
+    # and the KLD candidate with NVFP4 layers known before the solve, the uniform-NVFP4 one: its export, runs
+    # and the gates that compare with it (the BF16 self-check's too: uniform NVFP4 is its baseline)
     assert {
         k: v for k, v in plan.items() if k not in ("quantize_layer", "score_sensitivity", "solve_placement")
     } == {
-        "export_checkpoint": 2,
-        "run_kld": 4,
-        "gate_kld": 6,
+        "export_checkpoint": 1,
+        "run_kld": 2,
+        "gate_kld": 4,
     }
     config["placement"]["source"] = "explicit"  # without the search: the placed layers only
     explicit = wd.write_config("config/nvfp4-max-explicit.yaml", config)
@@ -242,3 +241,11 @@ def test_truncated_source_shard_stops_with_one_line_and_leaves_nothing(built_wor
         if artifact.startswith("layers/"):
             assert not (wd.root / row["path"]).exists(), artifact
     assert not list((wd.root / "results").glob("*/.tmp-*"))
+
+
+def test_the_readme_picture_is_the_default_runs_own_plot(built_workdir):
+    """The README's picture (docs/assets/kl-domains.png) is the per-domain KL plot the default run draws,
+    byte for byte: regenerate it with the command on docs/development.md when the run's plot changes."""
+    report = _dir(built_workdir, built_workdir.paths(), "kld_report")
+    drawn = (report / "kl_cdf_domains_bfloat16.png").read_bytes()
+    assert (REPO / "docs" / "assets" / "kl-domains.png").read_bytes() == drawn

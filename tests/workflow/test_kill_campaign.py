@@ -55,6 +55,13 @@ LOCK_REMOVED = "removed the lock of a killed run"
 # a score job saves its states after every layer (not every 10 minutes), so that a kill mid-pass
 # resumes from them; not part of any key: the results stay the clean run's
 SAVE_EVERY_LAYER = "placement={search: {checkpoint_interval_s: 0}}"
+# ModelOpt's own AutoQuantize placement as a KLD candidate (the default leaves it out for its cost): the
+# campaign's last phase kills its stage and resumes
+WITH_MODELOPT = (
+    "kld={candidates: [{name: searched, source: searched}, {name: modelopt-autoquantize, source: "
+    "modelopt_autoquantize}, {name: uniform-nvfp4, source: uniform, format: nvfp4_w4a16}, {name: bf16, "
+    "source: bf16}]}"
+)
 # (kind, point, stage) in about the order the default DAG can first reach them (the BF16 candidate's KLD
 # runs and gates need only the reference logits); "hook" stops a process at a mixquant.faults point,
 # "appear" kills when the stage's next keyed directory appears. Each trial runs on one core and asks
@@ -64,6 +71,7 @@ POINTS = [
     ("hook", "run-start", "snakemake"),
     ("hook", "files-written", "fetch_model"),
     ("hook", "manifest-written", "pin_prompt"),
+    ("hook", "files-written", "sample_eval"),
     ("hook", "manifest-written", "reference_logits"),
     ("hook", "files-written", "sample_calibration"),
     ("hook", "files-written", "run_kld"),
@@ -198,7 +206,13 @@ def check_no_partial_keyed_dir(results: Path) -> list[str]:
 
 
 def run_trial(
-    wd: Path, kind: str, point: str | None, stage: str, log: Path, prioritize: list[str] = ()
+    wd: Path,
+    kind: str,
+    point: str | None,
+    stage: str,
+    log: Path,
+    prioritize: list[str] = (),
+    config: tuple[str, ...] = (),
 ) -> tuple[str, float]:
     """One run of the workflow, killed at the point: ("killed" | "finished" | "failed rc", seconds)."""
     mark = wd / "fault.mark"
@@ -212,7 +226,7 @@ def run_trial(
         proc = subprocess.Popen(
             [sys.executable, "-m", "snakemake", "--cores", "1"]
             + (["--prioritize", *prioritize] if prioritize else [])
-            + ["--config", SAVE_EVERY_LAYER],
+            + ["--config", SAVE_EVERY_LAYER, *config],
             cwd=wd,
             env=env,
             stdout=out,
@@ -328,3 +342,26 @@ def test_the_kill_campaign(built_workdir, workdir, tmp_path, capsys):
     numerics = json.loads((wd / reference_logits / "manifest.json").read_text())["environment"]["numerics"]
     decisive = (numerics["cpu_capability"], numerics["mkl_cbwr"], numerics["threads"])
     assert decisive == ("AVX2", "COMPATIBLE", 1)
+
+    # the last phase: ModelOpt's AutoQuantize placement added as a candidate, killed once its stage has loaded
+    # the model (before ModelOpt calibrates and scores), then the run resumed to a release with it measured
+    phase = []
+    for name, kind, point, stage in (
+        ("autoquantize", "hook", "model-loaded", "autoquantize_placement"),
+        ("autoquantize resumed", "appear", None, "none-such-stage"),
+    ):
+        kept, log = finished(wd), tmp_path / f"{name.replace(' ', '-')}.log"
+        outcome, seconds = run_trial(wd, kind, point, stage, log, config=(WITH_MODELOPT,))
+        phase.append(f"  {name:22} {outcome:22} {seconds:6.1f} s")
+        check_rerun(name, log, kept)
+        if partial := check_no_partial_keyed_dir(wd / "results"):
+            failures.append(f"{name}: partial keyed directory: {partial}")
+        want = "killed" if kind == "hook" else "finished"
+        assert outcome == want, f"{name}: {outcome}\n{log.read_text()[-3000:]}"
+        after_kill = outcome == "killed"
+    warnings.warn("kill campaign, ModelOpt phase:\n" + "\n".join(phase), stacklevel=1)
+    assert not failures, failures
+    paths = json.loads(workdir.mixquant("paths", "--json", "--config", WITH_MODELOPT).stdout)
+    assert all(row["done"] for row in paths.values())
+    autoquantize = wd / paths["autoquantize"]["path"]
+    assert verify_manifest(autoquantize) == [] and (autoquantize / "placement.json").is_file()

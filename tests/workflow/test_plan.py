@@ -23,8 +23,6 @@ TOY_DAG = {
     "quantize_layer": 2,  # one window per format, every MoE layer in NVFP4 and in FP8: what the search scores
     "score_sensitivity": 2,  # 2 streamed passes of 32 sequences, each scoring every (layer, format)
     "solve_placement": 1,
-    # ModelOpt's own AutoQuantize placement (a checkpoint too: its rebuild follows it)
-    "autoquantize_placement": 1,
     # the evaluation suite's windows, and the references of the prompt and of the suite
     "sample_eval": 1,
     "reference_logits": 2,
@@ -41,13 +39,9 @@ def test_default_config_plans_the_toy_dag(workdir):
 
 
 def test_explicit_placement_plans_the_rebuild_and_export_up_front(workdir):
-    """With the explicit placement (and without the ModelOpt candidate, whose placement is a checkpoint of
-    its own) the whole DAG is known up front."""
+    """With the explicit placement the whole DAG is known up front."""
     config = workdir.config()
     config["placement"]["source"] = "explicit"
-    config["kld"]["candidates"] = [
-        c for c in config["kld"]["candidates"] if c["source"] != "modelopt_autoquantize"
-    ]
     assert workdir.plan(workdir.write_config("config/explicit.yaml", config)) == {
         "fetch_model": 1,
         "sample_calibration": 1,
@@ -273,7 +267,7 @@ def _laguna_slurm_plan(workdir, *config: str) -> dict:
 
 
 def test_laguna_plan_meets_the_gpu_scale_targets(workdir):
-    """The README's numbers for Laguna-S-2.1 on slurm-blackwell: every forward stage on the GPU partition,
+    """docs/cost-model.md's Laguna-S-2.1 on slurm-blackwell: every forward stage on the GPU partition,
     at most 64 GB of host memory per job, sensitivity within 1 GPU-hour, the pipeline within 10 GPU-hours
     and 50 CPU core-hours (as allocated), a critical path within 3 hours -- with the evaluation suite (the
     config as shipped: 123 windows of 2,048 tokens, a top-k reference, 2 captures) and without it (the

@@ -41,7 +41,7 @@ def test_release_bundle(built_workdir):
     bundle = {name.removeprefix("repo/"): row for name, row in read_manifest(keyed)["files"].items()}
     assert {name: bundle[name] for name in shipped} == shipped
     extra = sorted(set(bundle) - set(shipped))
-    candidates = ("bf16", "modelopt-autoquantize", "searched", "uniform-nvfp4")
+    candidates = ("bf16", "searched", "uniform-nvfp4")
     gates = [f"kld/{c}.{kv}.json" for c in candidates for kv in ("bfloat16", "fp8")]
     # the evaluation suite's report (what the card's suite sections are made from) and its per-domain plots
     suite = ["kld/report.json", "kld/kl_cdf_domains_bfloat16.png", "kld/kl_cdf_domains_fp8.png"]
@@ -87,9 +87,7 @@ def test_release_bundle(built_workdir):
     # the card as the Hub reads it: front matter, only the repository's own files, the serve command's
     # repository (the default config leaves release.repo_id unset: the placeholder), each candidate's bits
     recipe = load_recipe(release / RECIPE).model_dump(mode="json")
-    autoquantize = json.loads((_dir(wd, paths, "autoquantize") / "placement.json").read_text())["metadata"]
     bits = {"searched": audit["routed_effective_bits"], "uniform-nvfp4": 4.5, "bf16": 16.0}
-    bits["modelopt-autoquantize"] = autoquantize["routed_effective_bits"]
     check_uploadable(release, recipe, bits)
     print(card)
 

@@ -13,6 +13,7 @@ rule sample_calibration:
         f"{CFG.results_dir}/benchmarks/sample_calibration/{{key}}.tsv"
     wildcard_constraints:
         key="[0-9a-f]{64}",
+    priority: SEARCH_PRIORITY
     conda:
         conda_env("sample_calibration")
     threads: 1

@@ -110,6 +110,11 @@ validate(
 # checks that it took effect, mixquant.numerics.enter), whatever the shell exported.
 apply_numerics_environment(CFG.numerics.cpu, CFG.numerics.threads)
 
+# The placement search is the long chain every release waits on (calibration -> activation statistics ->
+# quantize_layer -> score_sensitivity -> solve_placement, a checkpoint whose downstream jobs Snakemake
+# cannot see before it is done): its jobs go first, the baselines' evaluations fill the cores around it.
+SEARCH_PRIORITY = 10
+
 HASH_CACHE = Path(".snakemake") / "mixquant-hashes"
 
 # A run killed with SIGKILL leaves Snakemake's lock behind; the next run on this host removes it once

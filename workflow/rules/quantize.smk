@@ -14,6 +14,7 @@ rule collect_activation_stats:
         stage_log("activations"),
     benchmark:
         stage_benchmark("activations")
+    priority: SEARCH_PRIORITY
     conda:
         conda_env("collect_activation_stats")
     threads: CFG.numerics.threads
@@ -67,6 +68,7 @@ rule quantize_layer:
         f"{CFG.results_dir}/benchmarks/quantize_layer/{{key}}.tsv"
     wildcard_constraints:
         key="[0-9a-f]{64}",
+    priority: SEARCH_PRIORITY
     conda:
         conda_env("quantize_layer")
     threads: 1

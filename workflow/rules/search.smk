@@ -15,6 +15,7 @@ rule score_sensitivity:
         f"{CFG.results_dir}/benchmarks/score_sensitivity/{{key}}.tsv"
     wildcard_constraints:
         key="[0-9a-f]{64}",
+    priority: SEARCH_PRIORITY
     conda:
         conda_env("score_sensitivity")
     threads: CFG.numerics.threads
@@ -51,6 +52,7 @@ if CFG.placement.source == "search":
             stage_log("placement"),
         benchmark:
             stage_benchmark("placement")
+        priority: SEARCH_PRIORITY
         conda:
             conda_env("solve_placement")
         threads: 1

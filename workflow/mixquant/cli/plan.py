@@ -304,7 +304,7 @@ def print_submissions(submissions: dict[str, list[tuple[str, int]]]) -> None:
 
 def print_estimates(estimates: list, critical: dict[str, Any]) -> None:
     print()
-    print(f"Estimates (cost model: README, 'Cluster cost model'; they assume {B200.assumed_gpu()};")
+    print(f"Estimates (cost model: docs/cost-model.md; they assume {B200.assumed_gpu()};")
     print("'after solve' rows assume placement.explicit as a stand-in for the placement the search will")
     print("choose):")
     print(estimate_table(estimates))

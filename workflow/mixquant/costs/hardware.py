@@ -1,5 +1,5 @@
 """What the cost model assumes of a job's node: rates measured on the development VM and a B200 node's
-figures (README "Cluster cost model")."""
+figures (docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Hardware:
     """What a job's node offers. Defaults: one HGX B200 node on a shared filesystem.
 
     Measured on this 2-core development VM (Intel, bf16 AMX), torch 1 thread, with the real code
-    (README "Cluster cost model"): quantize_layer on a synthetic checkpoint layer of two
+    (docs/cost-model.md): quantize_layer on a synthetic checkpoint layer of two
     Laguna-shaped experts (gate/up [1024, 3072], down [3072, 1024], N(0, 0.02) bf16), elements/s including
     the read, the per-expert audit and the dequantization; the forward rate of transformers'
     LagunaForCausalLM.model (eager experts, sdpa) on a 2-layer Laguna-S-2.1-geometry model, B=8 x T=512,
@@ -39,7 +39,7 @@ class Hardware:
     vllm_gpu_memory_utilization: float = 0.9  # vLLM's default; vllm_llm_kwargs does not set it
     vllm_worker_host_bytes: int = 8 * GIB  # assumption: host RSS of one vLLM worker (torch, CUDA, NCCL)
     storage_read_bytes_per_s: float = 2e9  # assumption: shared filesystem, per job
-    # measured (benchmarks/bench_layer_load.py, README "Cluster cost model"): the host side of
+    # measured (benchmarks/bench_layer_load.py, docs/cost-model.md): the host side of
     # StreamedModel.load_layer at the real Laguna layer size -- the copy out of the page cache, the fused
     # layout, transformers' attach -- from the page cache (warm): 1.51 s per 4.98 GB MoE layer (3.3 GB/s;
     # 1.42 s in a second run). It follows the storage read in the same prefetch thread, so a streamed layer
@@ -84,7 +84,7 @@ class Hardware:
     toy_step_s: float = 0.62
     ilp_solve_s: float = 1.0  # assumption: one pulp CBC solve of ~50 groups (process spawn dominates)
     plot_s: float = 2.0  # assumption: one matplotlib figure
-    # Layer-streamed forward stages on a GPU (README "Cluster cost model", GPU constants). Not measured
+    # Layer-streamed forward stages on a GPU (docs/cost-model.md, GPU constants). Not measured
     # here (no GPU); tools/gpu-check.sh measures each on a lent GPU.
     # assumption: transformers' eager LagunaExperts runs one GEMM pair per routed expert, so a layer call
     # is many mid-sized GEMMs; 25% of peak is the middle of the 20-30% eager prefill reaches

@@ -123,7 +123,7 @@ def stage_cost(
     suite: bool = False,
     hardware: Hardware = B200,
 ) -> StageCost:
-    """Resources of one job of ``stage`` (formulas: README "Cluster cost model").
+    """Resources of one job of ``stage`` (formulas: docs/cost-model.md).
 
     ``gpus``: GPUs the job gets (0: a CPU job; a stage computing on a CUDA numerics.device uses one);
     ``fmt``: quantize_layer format; ``layers``: MoE layers in a quantize_layer window; ``sequences``:

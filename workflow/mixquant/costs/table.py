@@ -1,4 +1,4 @@
-"""The README's per-stage, per-job cost table."""
+"""The per-stage, per-job cost table."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mixquant.keys.stages import STAGES
 
 
 def cost_table_markdown(cfg: MixquantConfig, geometry: Geometry, hardware: Hardware = B200) -> str:
-    """The per-stage per-job table of the README (quantize_layer per format; one score pass)."""
+    """The per-stage per-job table of docs/cost-model.md (quantize_layer per format; one score pass)."""
     rows = [
         "| stage (job) | GPUs | CPUs | runtime | read | written | peak host | GPU mem/GPU "
         "| rule mem_mb / runtime |"

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mixquant import faults
 from mixquant.calibration.tokens import load_token_ids
 from mixquant.formats.facts import BF16, FORMATS
 from mixquant.keys.manifest import publish_keyed_dir
@@ -169,6 +170,7 @@ def run_autoquantize_placement(
     started = time.perf_counter()
     with torch_threads(settings.get("threads")):
         loaded = load_search_model(model_dir, device=device)
+        faults.point("model-loaded", "autoquantize_placement")  # before ModelOpt calibrates and scores
         try:
             placement = modelopt_autoquantize_placement(
                 loaded,

@@ -1,4 +1,4 @@
-"""Every `--config` experiment the README's "Using it" suggests runs from the default config to a release,
+"""Every `--config` experiment the docs' experiments page suggests runs from the default config to a release,
 and `mixquant verify` with the same overrides says what it can compare: the toy's published hashes are
 "not comparable" (naming the setting) for an artifact made otherwise, never a failure; --strict fails.
 
@@ -22,10 +22,11 @@ pytestmark = pytest.mark.slow
 RUN = re.compile(r"^\.venv/bin/snakemake --cores 2 --config '(?P<override>[^']+)'", re.MULTILINE)
 
 
-def readme_experiments() -> list[str]:
-    """The `--config` values of the README's "Using it" run examples, in order."""
-    section = (REPO / "README.md").read_text("utf-8").split("## Using it", 1)[1].split("\n## ", 1)[0]
-    return [match["override"] for match in RUN.finditer(section)]
+def docs_experiments() -> list[str]:
+    """The `--config` values of the run examples on docs/experiments.md, in order."""
+    return [
+        match["override"] for match in RUN.finditer((REPO / "docs" / "experiments.md").read_text("utf-8"))
+    ]
 
 
 def changes_a_hashed_artifact(override: str) -> bool:
@@ -34,15 +35,15 @@ def changes_a_hashed_artifact(override: str) -> bool:
     return override.split("=", 1)[0] != "kld"
 
 
-def test_the_readme_names_the_experiments_a_new_user_runs():
-    experiments = readme_experiments()
+def test_the_docs_name_the_experiments_a_new_user_runs():
+    experiments = docs_experiments()
     assert "placement={target_effective_bits: 5.0}" in experiments
     assert "placement={target_effective_bits: 7.0}" in experiments
     assert any(e.startswith("calibration={num_samples: ") for e in experiments)
-    assert any(e.startswith("kld={candidates: [") and "uniform-fp8" in e for e in experiments)
+    assert any(e.startswith("kld={candidates: [") and "modelopt_autoquantize" in e for e in experiments)
 
 
-def test_each_readme_experiment_runs_to_a_release_and_verify_says_not_comparable(
+def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
     built_workdir, workdir_factory, tmp_path
 ):
     wd = workdir_factory(tmp_path / "wd")
@@ -50,13 +51,18 @@ def test_each_readme_experiment_runs_to_a_release_and_verify_says_not_comparable
     skip = shutil.ignore_patterns("locks", "incomplete", "log")
     shutil.copytree(built_workdir.root / ".snakemake", wd.root / ".snakemake", ignore=skip)
     timings = {}
-    for override in readme_experiments():
+    for override in docs_experiments():
         started = time.monotonic()
         run = wd.snakemake("--config", override, check=False)
         timings[override] = round(time.monotonic() - started)
         assert run.returncode == 0, f"--config {override}:\n{run.stderr[-3000:]}"
         paths = json.loads(wd.mixquant("paths", "--json", "--config", override).stdout)
         assert paths["release"]["done"], override
+        if "modelopt_autoquantize" in override:  # ModelOpt's own placement was computed and measured
+            aq = [
+                row for name, row in paths.items() if name.startswith(("autoquantize", "candidate/modelopt"))
+            ]
+            assert len(aq) >= 2 and all(row["done"] for row in aq), override
 
         verify = wd.mixquant("verify", "--config", override, check=False)
         strict = wd.mixquant("verify", "--strict", "--config", override, check=False)
