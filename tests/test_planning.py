@@ -94,7 +94,7 @@ def test_an_absolute_path_inside_the_workdir_is_inside(workdir):
             lambda c: c["kld"]["candidates"].append(
                 {"name": "mine", "source": "local", "local": {"path": "/x"}}
             ),
-            "kld.candidates.4.local.path",
+            "kld.candidates.3.local.path",
         ),
         (
             lambda c: c["kld"]["eval"]["domains"][1]["local"].update(path="/etc/code.jsonl"),

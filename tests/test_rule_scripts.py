@@ -28,8 +28,8 @@ def _script():
 
 def _planned_jobs() -> dict[str, object]:
     """One planned artifact per stage: the default config (its placement.explicit standing in for the solve),
-    the same config retraining the toy, the same config with GPTQ rounding and a refined placement, and a
-    block-FP8 hub model."""
+    the same config retraining the toy, the same config with GPTQ rounding and a refined placement and
+    ModelOpt's AutoQuantize placement as a candidate, and a block-FP8 hub model."""
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     retrain = {**default, "model": {**default["model"], "source": "toy"}}
     refined = {
@@ -41,6 +41,13 @@ def _planned_jobs() -> dict[str, object]:
         "placement": {
             **default["placement"],
             "search": {**(default["placement"].get("search") or {}), "refine": {"candidates": 2}},
+        },
+        "kld": {
+            **default["kld"],
+            "candidates": [
+                *default["kld"]["candidates"],
+                {"name": "modelopt-autoquantize", "source": "modelopt_autoquantize"},
+            ],
         },
     }
     deepseek = yaml.safe_load((REPO / "config" / "deepseek-v3.yaml").read_text())

@@ -38,8 +38,17 @@ def raw_search():
 
 @pytest.fixture(scope="module")
 def shipped():
-    """The default config exactly as shipped, the ModelOpt AutoQuantize candidate included."""
+    """The default config exactly as shipped."""
     return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
+@pytest.fixture
+def with_modelopt(shipped):
+    """The default config with ModelOpt's AutoQuantize placement as a candidate (docs/experiments.md)."""
+    config = copy.deepcopy(shipped)
+    modelopt = {"name": "modelopt-autoquantize", "source": "modelopt_autoquantize"}
+    config["kld"]["candidates"].insert(1, modelopt)
+    return config
 
 
 # (and verify_hashes, downstream of the prompt, the reference and the checkpoint: tests/release/)
@@ -436,10 +445,10 @@ def test_bad_kld_candidates_are_refused(raw_search):
 # ----------------------------------------------------------------------------- ModelOpt's AutoQuantize
 
 
-def test_autoquantize_candidate_waits_for_its_placement_then_shares_every_layer(shipped):
+def test_autoquantize_candidate_waits_for_its_placement_then_shares_every_layer(with_modelopt):
     """The modelopt_autoquantize candidate: ModelOpt's placement stage reads the model and the calibration
     tokens; its checkpoint is the rebuild of what it chose, from the very layer results the search ships."""
-    cfg = validate_config(shipped)
+    cfg = validate_config(with_modelopt)
     before = resolve_artifacts(cfg, placement=TOY_PLACEMENT)
     assert before["autoquantize"].upstream == {"model": "model", "calibration": "calibration"}
     assert before["autoquantize"].stage == "autoquantize_placement"
@@ -461,11 +470,12 @@ def test_autoquantize_candidate_waits_for_its_placement_then_shares_every_layer(
     assert same["kld/modelopt-autoquantize/fp8"].key == same["kld/searched/fp8"].key
 
 
-def test_autoquantize_key_holds_the_budget_and_cost_model_not_the_solver(shipped):
-    base = resolve_artifacts(validate_config(shipped))["autoquantize"].key
+def test_autoquantize_key_holds_the_budget_and_cost_model_not_the_solver(with_modelopt):
+    base = resolve_artifacts(validate_config(with_modelopt))["autoquantize"].key
 
     def key(**change):
-        return resolve_artifacts(validate_config(edited_placement(shipped, **change)))["autoquantize"].key
+        config = validate_config(edited_placement(with_modelopt, **change))
+        return resolve_artifacts(config)["autoquantize"].key
 
     assert key(method="minimax") == base  # ModelOpt selects its own way
     for change in ({"target_effective_bits": 7.0}, {"cost_model": "active_moe"}, {"batch_size": 4}):

@@ -187,8 +187,8 @@ def test_nvfp4_knob_reruns_only_nvfp4_layers(built_workdir):
     missing = [n for n, row in wd.paths(explicit).items() if n.startswith("layers/") and not row["done"]]
     assert "layers/nvfp4_w4a16/1-8" in missing
     assert all(n.startswith(("layers/nvfp4_w4a16/", "layers/bf16/")) for n in missing)
-    # the placement's export, the uniform-NVFP4 candidate's and ModelOpt's AutoQuantize placement's
-    assert plan["quantize_layer"] == len(missing) and plan["export_checkpoint"] == 3
+    # the placement's export and the uniform-NVFP4 candidate's
+    assert plan["quantize_layer"] == len(missing) and plan["export_checkpoint"] == 2
     assert not {"sample_calibration", "collect_activation_stats", "score_sensitivity"} & set(plan)
 
 

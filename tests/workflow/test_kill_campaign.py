@@ -283,6 +283,7 @@ def test_the_kill_campaign(built_workdir, workdir, tmp_path, capsys):
     final, seconds = run_trial(wd, "appear", None, "none-such-stage", tmp_path / "final.log")
     rows.append(("final", None, "-", final, seconds))
     check_rerun("final run", tmp_path / "final.log", kept)
+    after_kill = final == "killed"
     killed = sum(1 for row in rows if row[3] == "killed")
     table = "\n".join(
         [f"kill campaign: {len(rows) - 1} trials, {killed} kills, {len(failures)} failures"]
@@ -361,7 +362,8 @@ def test_the_kill_campaign(built_workdir, workdir, tmp_path, capsys):
         after_kill = outcome == "killed"
     warnings.warn("kill campaign, ModelOpt phase:\n" + "\n".join(phase), stacklevel=1)
     assert not failures, failures
-    paths = json.loads(workdir.mixquant("paths", "--json", "--config", WITH_MODELOPT).stdout)
+    listed = workdir.mixquant("paths", "--json", "--config", SAVE_EVERY_LAYER, WITH_MODELOPT)  # as the runs
+    paths = json.loads(listed.stdout)
     assert all(row["done"] for row in paths.values())
     autoquantize = wd / paths["autoquantize"]["path"]
     assert verify_manifest(autoquantize) == [] and (autoquantize / "placement.json").is_file()

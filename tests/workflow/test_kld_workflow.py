@@ -79,7 +79,7 @@ def test_runs_aggregates_and_verdicts(built_workdir):
     rows = list(csv.DictReader((report / "kld_table.csv").open()))
     expected = [(c, kv, p) for kv in KV for c in CANDIDATES for p in ("prompt", "suite")]
     assert [(r["candidate"], r["kv_cache_dtype"], r["protocol"]) for r in rows] == expected
-    assert (report / "kld_table.md").read_text().count("\n|") >= 17
+    assert (report / "kld_table.md").read_text().count("\n|") >= len(rows) + 1  # separator and rows
     for kv in KV:
         for name in (f"kl_cdf_{kv}.png", f"kl_per_position_{kv}.png", f"kl_cdf_domains_{kv}.png"):
             assert (report / name).read_bytes()[:4] == b"\x89PNG"
@@ -90,7 +90,7 @@ def test_runs_aggregates_and_verdicts(built_workdir):
     assert (row["weights_only"], row["deployment"], row["kv_only"]) == (0.0, 0.0, 0.0)
     assert document["suite"]["disjoint_from_calibration"]["shared"] == 0
     verdict = json.loads((_dir(wd, paths, "kld_verdict") / "verdict.json").read_text())
-    assert verdict["passed"] is True and len(verdict["verdicts"]) == 8
+    assert verdict["passed"] is True and len(verdict["verdicts"]) == len(CANDIDATES) * len(KV)
     print((report / "kld_table.md").read_text())
 
 

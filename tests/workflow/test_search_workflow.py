@@ -191,16 +191,8 @@ def test_adding_a_candidate_format_adds_its_window_and_rescores(built_workdir, t
     for name in moved:
         shutil.move(_dir(wd, paths, name), parked / paths[name]["key"])
     try:
-        # and ModelOpt's AutoQuantize placement (FP8 on 3 layers, known: its stage reads no layer results):
-        # its export waits for the FP8 window again, then its runs and gates
-        assert wd.plan() == {
-            "quantize_layer": 1,
-            "score_sensitivity": 2,
-            "solve_placement": 1,
-            "export_checkpoint": 1,
-            "run_kld": 2,
-            "gate_kld": 2,
-        }
+        # what follows the solve waits for its checkpoint: Snakemake plans it once the placement is known
+        assert wd.plan() == {"quantize_layer": 1, "score_sensitivity": 2, "solve_placement": 1}
     finally:  # the session's other tests use this workdir's default results
         for name in moved:
             shutil.move(parked / paths[name]["key"], _dir(wd, paths, name))
