@@ -32,6 +32,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: within a rank, pytest's own order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_architecture_cache(tmp_path_factory):
+    """One architecture cache for every working directory of the session (the xdist workers' too): a fresh
+    workdir's first Snakemake start, `mixquant paths` or `mixquant plan` then reads what another derived
+    (transformers' meta model: 5-20 s on two cores) instead of deriving it again. Set in this process's
+    environment, so every Snakemake run and job started from a test inherits it."""
+    import os
+
+    from mixquant.model.families import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ[CACHE_ENV] = str(shared / "architectures")
+    yield
+    os.environ.pop(CACHE_ENV, None)
+
+
 # Dense layer 0 + 4 MoE layers of 16 experts (top-2), every matrix input a multiple of 16 (NVFP4 blocks).
 SMALL_LAGUNA = {
     "vocab_size": 128,

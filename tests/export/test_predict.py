@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from fractions import Fraction
 from pathlib import Path
 
@@ -153,6 +154,21 @@ def test_explicit_placement(laguna_s, release):
     both = predict_structure(laguna_s, RELEASE_COUNTS, placement)
     assert both["layer_formats"] == report["layer_formats"]
     assert "fp8=3" in format_prediction(report) and "101,377" in format_prediction(report)
+
+
+def test_the_tallies_are_those_of_every_listed_tensor(laguna_s, release):
+    """predict_structure counts each layer's projections once per format, times the experts: the same
+    counts and bytes as the full list of the export's tensors (checkpoint_tensors)."""
+    placement = {layer: NVFP4 for layer in range(1, 40)} | {40: FP8, 41: FP8, 42: FP8}
+    entries = checkpoint_tensors(laguna_s, placement, kv_cache_quant="FP8")
+    tensors = {fmt: sum(1 for e in entries if e.category == "routed" and e.format == fmt) for fmt in FORMATS}
+    nbytes = {fmt: sum(e.nbytes for e in entries if e.category == "routed" and e.format == fmt) for fmt in FORMATS}
+    assert release["tensors"]["routed"] == tensors and release["bytes"]["routed"] == nbytes
+    assert release["tensors"]["total"] == len(entries) == 101377
+    assert release["payload_bytes"] == sum(e.nbytes for e in entries)
+    assert release["parameters"]["non_expert"] == sum(
+        math.prod(e.shape) for e in entries if e.category == "non_expert"
+    )
 
 
 @pytest.mark.parametrize(

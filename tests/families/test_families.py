@@ -114,6 +114,19 @@ def test_the_architecture_cache_returns_what_transformers_derives(instance, tmp_
         families._derivation_identity.cache_clear()
 
 
+def test_a_shared_architecture_cache_is_named_by_the_environment(monkeypatch, tmp_path):
+    """$MIXQUANT_ARCHITECTURE_CACHE moves a workflow's cache out of its .snakemake/ (several working
+    directories share it); unset or empty, each keeps its own."""
+    import mixquant.model.families as families
+
+    monkeypatch.setenv(families.CACHE_ENV, str(tmp_path / "shared"))
+    assert families.workflow_cache() == tmp_path / "shared"
+    monkeypatch.setenv(families.CACHE_ENV, "")
+    assert families.workflow_cache() == Path(".snakemake") / "mixquant-architectures"
+    monkeypatch.delenv(families.CACHE_ENV)
+    assert families.workflow_cache() == families.WORKDIR_CACHE
+
+
 def test_an_unsupported_type_names_itself_and_the_supported_ones():
     with pytest.raises(UnsupportedArchitecture) as error:
         architecture({"model_type": "llama"})

@@ -20,7 +20,13 @@ CONSOLE = "build-console.txt"  # built_workdir: the console output of its defaul
 
 @dataclass
 class Workdir:
+    """``host_slurm``: whether `mixquant` here sees this machine's SLURM. Off by default: the local-cluster
+    test (test_cluster_runs) starts a real slurmctld that every xdist worker's `sinfo` would then reach, and
+    `mixquant plan` checks the profile's partitions against what `sinfo` lists. Without it, the real `sinfo`
+    reads an empty slurm.conf and fails at once, as on a machine with no cluster (the check is skipped)."""
+
     root: Path
+    host_slurm: bool = False
 
     def config(self, name: str = "config/config.yaml") -> dict:
         return yaml.safe_load((self.root / name).read_text())
@@ -41,8 +47,13 @@ class Workdir:
         return result
 
     def mixquant(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        if not self.host_slurm:
+            no_cluster = self.root.parent / "no-slurm.conf"  # beside the workdir: nothing added to it
+            no_cluster.touch()
+            env["SLURM_CONF"] = str(no_cluster)
         result = subprocess.run(
-            [sys.executable, "-m", "mixquant.cli", *args], cwd=self.root, capture_output=True, text=True
+            [sys.executable, "-m", "mixquant.cli", *args], cwd=self.root, capture_output=True, text=True, env=env
         )
         if check and result.returncode != 0:
             raise AssertionError(f"mixquant {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")

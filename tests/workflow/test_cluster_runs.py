@@ -92,12 +92,20 @@ def targets_keys(targets: dict[str, str]) -> set[str]:
 
 def test_slice_through_local_slurm_equals_the_local_run(slurm_cluster, built_workdir, workdir):
     wd = workdir
+    wd.host_slurm = True  # `mixquant plan` checks the profiles' partitions with this cluster's sinfo
     targets = slice_targets(wd)
     assert targets == slice_targets(built_workdir)  # same config, same keys
     # what `mixquant plan` says the plugin will submit, job by job
     plan = json.loads(
         wd.mixquant("plan", "--json", "--profile", "profiles/slurm-local", "--", *GPU_OVERRIDE).stdout
     )
+    assert plan["ready"] is True, plan["blockers"]  # sinfo lists the profile's one partition
+    # the Blackwell profile's partitions are not on this cluster: the plan says so, naming them
+    blackwell = json.loads(wd.mixquant("plan", "--json", "--profile", "profiles/slurm-blackwell").stdout)
+    assert sorted(line for line in blackwell["blockers"] if line.startswith("partition ")) == [
+        "partition 'cpu' (the profile's) does not exist here: sinfo lists local",
+        "partition 'gpu' (the profile's) does not exist here: sinfo lists local",
+    ], blackwell["blockers"]
     planned = {job["outputs"][0].rstrip("/").rsplit("/", 1)[1]: job for job in plan["jobs"]}
     started = time.monotonic()
     result = wd.snakemake("--profile", "profiles/slurm-local", "--verbose", *targets.values(), *GPU_OVERRIDE)

@@ -27,8 +27,8 @@ from mixquant.graph import (
 )
 from mixquant.keys.stages import stage_env
 from mixquant.model.families import (
-    WORKDIR_CACHE as ARCHITECTURE_CACHE,
     cache_architectures,
+    workflow_cache as workflow_architecture_cache,
 )
 from mixquant.planning import (
     check_deployment,
@@ -60,7 +60,7 @@ CONFIG_SOURCE = (
     else ""
 )
 # A model's derived architecture (transformers' meta model, ~5 s) is read from here on every later start.
-cache_architectures(ARCHITECTURE_CACHE)
+cache_architectures(workflow_architecture_cache())
 # Where the jobs run (the conda environments of envs/, or this venv) decides the versions in the keys.
 # `mixquant plan` on a machine without conda plans a conda profile with --sdm env-modules and says so in
 # MIXQUANT_PLAN_DEPLOYMENT; a run checks at its start that the jobs really run where the keys say.

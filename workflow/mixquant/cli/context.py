@@ -19,7 +19,7 @@ from mixquant.config import (
     validate_config,
 )
 from mixquant.graph import resolve_artifacts
-from mixquant.model.families import WORKDIR_CACHE, cache_architectures
+from mixquant.model.families import cache_architectures, workflow_cache
 from mixquant.planning import check_deployment, check_plan
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -76,7 +76,7 @@ def config_entries(args: list[str]) -> list[str]:
 def load_config(args: argparse.Namespace) -> MixquantConfig:
     """The validated config as a Snakemake run with the same ``--configfile`` and ``--config`` reads it,
     checked for planning (paths, context, budget, layers) as Snakemake does."""
-    cache_architectures(WORKDIR_CACHE)  # as the workflow keeps them
+    cache_architectures(workflow_cache())  # as the workflow keeps them
     merged, overrides = with_overrides(read_config_file(args.configfile), getattr(args, "config", None) or [])
     # worded as the workflow words it (common.smk's CONFIG_SOURCE)
     source = str(args.configfile) + (f" with --config {' '.join(sorted(overrides))}" if overrides else "")

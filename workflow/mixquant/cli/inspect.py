@@ -13,7 +13,7 @@ from mixquant.export.inspect import inspect_checkpoint
 from mixquant.export.inspect_text import format_inspection
 from mixquant.export.placement import load_placement, parse_placement_counts
 from mixquant.export.predict import format_prediction, predict_structure
-from mixquant.model.families import WORKDIR_CACHE, architecture, cache_architectures
+from mixquant.model.families import architecture, cache_architectures, workflow_cache
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     config = json.loads(Path(args.model_config).read_text("utf-8"))
     # a workflow's directory: its architecture cache, as `load_config` keeps it
     if Path(".snakemake").is_dir():
-        cache_architectures(WORKDIR_CACHE)
+        cache_architectures(workflow_cache())
     counts = parse_placement_counts(args.placement_counts) if args.placement_counts else None
     placement = load_placement(args.placement) if args.placement else None
     kv = None if args.kv_cache_quant == "none" else args.kv_cache_quant

@@ -324,11 +324,21 @@ def predict_structure(
     """
     kv = _normalise_kv(kv_cache_quant)
     formats, explicit = resolve_placement(model_config, placement_counts, placement)
-    entries = checkpoint_tensors(model_config, formats, kv_cache_quant=kv, source_dtypes=source_dtypes)
-    tensors, nbytes = _tally(entries)
     shapes = _routed_shapes(model_config)
     arch = _architecture(model_config)
     num_experts = arch.num_experts
+    # the tally of checkpoint_tensors' entries without listing every expert's (a 118B model has ~110,000):
+    # each layer's projections counted once per format, times the experts
+    entries = non_expert_tensors(model_config, source_dtypes) + kv_scale_tensors(model_config, kv)
+    tensors, nbytes = _tally(entries)
+    for layer in arch.moe_layers:
+        fmt = formats.get(layer, BF16)
+        for proj in PROJECTIONS:
+            per_expert = routed_projection_tensors("p", *shapes[proj], fmt)
+            tensors["routed"][fmt] += num_experts * len(per_expert)
+            nbytes["routed"][fmt] += num_experts * sum(e.nbytes for e in per_expert)
+    for table in (tensors, nbytes):
+        table["total"] = sum(table["routed"].values()) + table["non_expert"] + table["kv_scales"]
     layer_numel = {layer: num_experts * sum(n * k for n, k in shapes.values()) for layer in formats}
     per_projection = {
         fmt: {

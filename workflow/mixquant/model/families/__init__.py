@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "UnsupportedArchitecture",
     "architecture",
     "cache_architectures",
+    "workflow_cache",
     "default_expert_weight",
     "experts_module_name",
     "experts_of",
@@ -317,7 +319,16 @@ def mlp_layer_types(config: Any) -> list[str]:
 # config.json, the two packages and this package's code decide. A workflow keeps it in its working
 # directory (common.smk and the CLI point this at WORKDIR_CACHE); None: no cache.
 WORKDIR_CACHE = Path(".snakemake") / "mixquant-architectures"
+# One cache for several working directories (a user's, on one filesystem): each entry's name hashes the
+# config.json with the package versions and this code, so directories never read each other's stale entry.
+CACHE_ENV = "MIXQUANT_ARCHITECTURE_CACHE"
 _cache_dir: Path | None = None
+
+
+def workflow_cache() -> Path:
+    """Where a workflow keeps derived architectures: $MIXQUANT_ARCHITECTURE_CACHE if set, else its
+    .snakemake/mixquant-architectures."""
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else WORKDIR_CACHE
 
 
 def cache_architectures(directory: str | Path | None) -> None:
