@@ -162,7 +162,9 @@ def test_the_tallies_are_those_of_every_listed_tensor(laguna_s, release):
     placement = {layer: NVFP4 for layer in range(1, 40)} | {40: FP8, 41: FP8, 42: FP8}
     entries = checkpoint_tensors(laguna_s, placement, kv_cache_quant="FP8")
     tensors = {fmt: sum(1 for e in entries if e.category == "routed" and e.format == fmt) for fmt in FORMATS}
-    nbytes = {fmt: sum(e.nbytes for e in entries if e.category == "routed" and e.format == fmt) for fmt in FORMATS}
+    nbytes = {
+        fmt: sum(e.nbytes for e in entries if e.category == "routed" and e.format == fmt) for fmt in FORMATS
+    }
     assert release["tensors"]["routed"] == tensors and release["bytes"]["routed"] == nbytes
     assert release["tensors"]["total"] == len(entries) == 101377
     assert release["payload_bytes"] == sum(e.nbytes for e in entries)

@@ -53,7 +53,11 @@ class Workdir:
             no_cluster.touch()
             env["SLURM_CONF"] = str(no_cluster)
         result = subprocess.run(
-            [sys.executable, "-m", "mixquant.cli", *args], cwd=self.root, capture_output=True, text=True, env=env
+            [sys.executable, "-m", "mixquant.cli", *args],
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            env=env,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"mixquant {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")

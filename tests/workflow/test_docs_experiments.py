@@ -3,7 +3,10 @@ and `mixquant verify` with the same overrides says what it can compare: the toy'
 "not comparable" (naming the setting) for an artifact made otherwise, never a failure; --strict fails.
 
 One workdir for all of them, seeded with the session's default build, so each run reuses every stage its
-change does not touch."""
+change does not touch. The experiment that adds ModelOpt's AutoQuantize placement is also the kill
+campaign's point in that stage (test_kill_campaign has the rest): its first run is killed, SIGKILL to the
+whole process tree, once the stage has loaded the model; nothing is left partial, and the run after it
+removes the killed run's lock and finishes."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from killing import LOCK_REMOVED, check_no_partial_keyed_dir, finished, run_trial
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,9 +57,22 @@ def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
     timings = {}
     for override in docs_experiments():
         started = time.monotonic()
+        killed = "modelopt_autoquantize" in override
+        if killed:  # killed once ModelOpt's stage has loaded the model, before it calibrates and scores
+            log = tmp_path / "autoquantize-killed.log"
+            outcome, _ = run_trial(
+                wd.root, "hook", "model-loaded", "autoquantize_placement", log, config=(override,), cores=2
+            )
+            assert outcome == "killed", f"{outcome}\n{log.read_text()[-3000:]}"
+            assert check_no_partial_keyed_dir(wd.root / "results") == []
+            kept = finished(wd.root)
         run = wd.snakemake("--config", override, check=False)
         timings[override] = round(time.monotonic() - started)
         assert run.returncode == 0, f"--config {override}:\n{run.stderr[-3000:]}"
+        if killed:  # the killed run's lock removed, nothing it had recorded as finished built again
+            assert LOCK_REMOVED in run.stdout + run.stderr
+            now = finished(wd.root)
+            assert [rel for rel, mtime in kept.items() if now.get(rel) != mtime] == []
         paths = json.loads(wd.mixquant("paths", "--json", "--config", override).stdout)
         assert paths["release"]["done"], override
         if "modelopt_autoquantize" in override:  # ModelOpt's own placement was computed and measured
