@@ -7,6 +7,7 @@ and kills); an "appear" kill stops it the moment a new keyed directory of the st
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -79,12 +80,28 @@ def finished(wd: Path) -> dict[str, int]:
 
 
 def next_output(wd: Path, reference: Path, clean: dict[str, str], stage: str) -> list[str]:
-    """The output of ``stage`` the clean run finished first among those not published here yet (the one
-    with the fewest inputs to build first); none for the release, whose key is the campaign's own."""
+    """The output of ``stage`` not published here yet with the fewest upstream outputs still to build here
+    (followed through each output's manifest, ``preimage.upstream``, in the clean run ``reference``), the
+    one the clean run finished first among equals; none for the release, whose key is the campaign's own."""
     pending = [p for p, of in clean.items() if of == stage and not (wd / p / "manifest.json").is_file()]
     if stage == "assemble_release" or not pending:
         return []
-    return [min(pending, key=lambda p: (reference / p / "manifest.json").stat().st_mtime_ns)]
+    by_key = {d.name: d for dirs in keyed_dirs(reference / "results").values() for d in dirs}
+
+    def to_build(rel: str) -> int:
+        seen: set[str] = set()
+        frontier = [Path(rel).name]
+        while frontier:
+            manifest = by_key[frontier.pop()] / "manifest.json"
+            upstream = json.loads(manifest.read_text())["preimage"].get("upstream", {})
+            for key in upstream.values():
+                if isinstance(key, str) and key in by_key and key not in seen:
+                    seen.add(key)
+                    frontier.append(key)
+        here = [wd / by_key[key].relative_to(reference) / "manifest.json" for key in seen]
+        return sum(1 for manifest in here if not manifest.is_file())
+
+    return [min(pending, key=lambda p: (to_build(p), (reference / p / "manifest.json").stat().st_mtime_ns))]
 
 
 def process_tree(root: int) -> set[int]:

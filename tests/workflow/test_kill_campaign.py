@@ -56,7 +56,8 @@ pytestmark = pytest.mark.slow
 CAMPAIGN = "kld={kv_cache_dtypes: [bfloat16]}"
 
 # (kind, point, stage) in about the order the default DAG can first reach them (the BF16 candidate's KLD
-# runs and gates need only the reference logits); "hook" stops a process at a mixquant.faults point,
+# runs need only the reference logits, every gate also the uniform baseline's runs, so the gate comes after
+# the BF16 candidate's runs are published); "hook" stops a process at a mixquant.faults point,
 # "appear" kills when the stage's next keyed directory appears. Each trial runs on one core and asks
 # Snakemake to prioritize the stage's next output (and so its inputs): the stage is reached before other
 # jobs finish it on the side.
@@ -72,10 +73,10 @@ POINTS = [
     ("hook", "files-written", "collect_activation_stats"),
     ("appear", None, "collect_activation_stats"),
     ("hook", "manifest-written", "run_kld"),
-    ("hook", "files-written", "gate_kld"),
     ("hook", "layer-saved", "quantize_layer"),
     ("hook", "manifest-written", "quantize_layer"),
     ("appear", None, "run_kld"),
+    ("hook", "files-written", "gate_kld"),
     ("hook", "published", "quantize_layer"),
     ("appear", None, "quantize_layer"),
     ("hook", "stream-state-saved", "score_sensitivity"),
