@@ -285,16 +285,17 @@ def routed_effective_bits(layer_numel: Mapping[int, int], layer_formats: Mapping
     return float(weighted / total)
 
 
-def _tally(entries: Iterable[TensorEntry]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _tally(entries: Iterable[tuple[TensorEntry, int]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tensor counts and bytes per category (routed: per format) of ``(entry, times)`` pairs, with totals."""
     tensors: dict[str, Any] = {"routed": dict.fromkeys(FORMATS, 0), "non_expert": 0, "kv_scales": 0}
     nbytes: dict[str, Any] = {"routed": dict.fromkeys(FORMATS, 0), "non_expert": 0, "kv_scales": 0}
-    for e in entries:
+    for e, times in entries:
         if e.category == "routed":
-            tensors["routed"][e.format] = tensors["routed"].get(e.format, 0) + 1
-            nbytes["routed"][e.format] = nbytes["routed"].get(e.format, 0) + e.nbytes
+            tensors["routed"][e.format] = tensors["routed"].get(e.format, 0) + times
+            nbytes["routed"][e.format] = nbytes["routed"].get(e.format, 0) + times * e.nbytes
         else:
-            tensors[e.category] += 1
-            nbytes[e.category] += e.nbytes
+            tensors[e.category] += times
+            nbytes[e.category] += times * e.nbytes
     for table in (tensors, nbytes):
         table["total"] = sum(table["routed"].values()) + table["non_expert"] + table["kv_scales"]
     return tensors, nbytes
@@ -330,15 +331,13 @@ def predict_structure(
     # the tally of checkpoint_tensors' entries without listing every expert's (a 118B model has ~110,000):
     # each layer's projections counted once per format, times the experts
     entries = non_expert_tensors(model_config, source_dtypes) + kv_scale_tensors(model_config, kv)
-    tensors, nbytes = _tally(entries)
-    for layer in arch.moe_layers:
-        fmt = formats.get(layer, BF16)
-        for proj in PROJECTIONS:
-            per_expert = routed_projection_tensors("p", *shapes[proj], fmt)
-            tensors["routed"][fmt] += num_experts * len(per_expert)
-            nbytes["routed"][fmt] += num_experts * sum(e.nbytes for e in per_expert)
-    for table in (tensors, nbytes):
-        table["total"] = sum(table["routed"].values()) + table["non_expert"] + table["kv_scales"]
+    routed = [
+        (e, num_experts)
+        for layer in arch.moe_layers
+        for proj in PROJECTIONS
+        for e in routed_projection_tensors("p", *shapes[proj], formats.get(layer, BF16))
+    ]
+    tensors, nbytes = _tally([(e, 1) for e in entries] + routed)
     layer_numel = {layer: num_experts * sum(n * k for n, k in shapes.values()) for layer in formats}
     per_projection = {
         fmt: {
