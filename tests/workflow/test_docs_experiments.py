@@ -3,10 +3,13 @@ and `mixquant verify` with the same overrides says what it can compare: the toy'
 "not comparable" (naming the setting) for an artifact made otherwise, never a failure; --strict fails.
 
 One workdir for all of them, seeded with the session's default build, so each run reuses every stage its
-change does not touch. The experiment that adds ModelOpt's AutoQuantize placement is also the kill
-campaign's point in that stage (test_kill_campaign has the rest): its first run is killed, SIGKILL to the
-whole process tree, once the stage has loaded the model; nothing is left partial, and the run after it
-removes the killed run's lock and finishes."""
+change does not touch. Each runs with a BF16 KV cache only (BF16_KV, merged into the experiment's own
+`kld` by Snakemake's --config merge): what is checked here is the same with either KV dtype, the default
+build has the FP8 runs, and the candidates an experiment leaves alone reuse the build's BF16 runs. The
+experiment that adds ModelOpt's AutoQuantize placement is also the kill campaign's point in that stage
+(test_kill_campaign has the rest): its first run is killed, SIGKILL to the whole process tree, once the
+stage has loaded the model; nothing is left partial, and the run after it removes the killed run's lock
+and finishes."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from killing import LOCK_REMOVED, check_no_partial_keyed_dir, finished, run_tria
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
+
+# the KV dtype every experiment measures with (the default also runs FP8, which this check does not need)
+BF16_KV = "kld={kv_cache_dtypes: [bfloat16]}"
 
 RUN = re.compile(r"^\.venv/bin/snakemake --cores 2 --config '(?P<override>[^']+)'", re.MULTILINE)
 
@@ -60,20 +66,19 @@ def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
         killed = "modelopt_autoquantize" in override
         if killed:  # killed once ModelOpt's stage has loaded the model, before it calibrates and scores
             log = tmp_path / "autoquantize-killed.log"
-            outcome, _ = run_trial(
-                wd.root, "hook", "model-loaded", "autoquantize_placement", log, config=(override,), cores=2
-            )
+            point, config = ("model-loaded", "autoquantize_placement"), (override, BF16_KV)
+            outcome, _ = run_trial(wd.root, "hook", *point, log, config=config, cores=2)
             assert outcome == "killed", f"{outcome}\n{log.read_text()[-3000:]}"
             assert check_no_partial_keyed_dir(wd.root / "results") == []
             kept = finished(wd.root)
-        run = wd.snakemake("--config", override, check=False)
+        run = wd.snakemake("--config", override, BF16_KV, check=False)
         timings[override] = round(time.monotonic() - started)
         assert run.returncode == 0, f"--config {override}:\n{run.stderr[-3000:]}"
         if killed:  # the killed run's lock removed, nothing it had recorded as finished built again
             assert LOCK_REMOVED in run.stdout + run.stderr
             now = finished(wd.root)
             assert [rel for rel, mtime in kept.items() if now.get(rel) != mtime] == []
-        paths = json.loads(wd.mixquant("paths", "--json", "--config", override).stdout)
+        paths = json.loads(wd.mixquant("paths", "--json", "--config", override, BF16_KV).stdout)
         assert paths["release"]["done"], override
         if "modelopt_autoquantize" in override:  # ModelOpt's own placement was computed and measured
             aq = [
@@ -81,8 +86,8 @@ def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
             ]
             assert len(aq) >= 2 and all(row["done"] for row in aq), override
 
-        verify = wd.mixquant("verify", "--config", override, check=False)
-        strict = wd.mixquant("verify", "--strict", "--config", override, check=False)
+        verify = wd.mixquant("verify", "--config", override, BF16_KV, check=False)
+        strict = wd.mixquant("verify", "--strict", "--config", override, BF16_KV, check=False)
         assert verify.returncode == 0, f"--config {override}:\n{verify.stdout}{verify.stderr}"
         lines = verify.stdout.splitlines()
         section = override.split("=", 1)[0]
