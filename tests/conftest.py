@@ -14,7 +14,7 @@ apply_environment("portable", 1)
 
 # The order pytest-xdist hands test files to its two workers (pyproject: --dist loadfile
 # --no-loadscope-reorder): the longest first, so that no long file starts last. The kill campaign first (it
-# builds the session's default run, then runs about 12 minutes), then the family DAGs (they need no default
+# builds the session's default run, then runs about 10 minutes), then the family DAGs (they need no default
 # run: the other worker's work while it is built), then the other workflow tests, then the unit tests.
 FIRST_FILES = (
     "tests/workflow/test_kill_campaign.py",
