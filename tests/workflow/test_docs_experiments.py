@@ -64,21 +64,23 @@ def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
     for override in docs_experiments():
         started = time.monotonic()
         killed = "modelopt_autoquantize" in override
+        config = (override, BF16_KV)  # the --config entries of every run and CLI call of this experiment
         if killed:  # killed once ModelOpt's stage has loaded the model, before it calibrates and scores
             log = tmp_path / "autoquantize-killed.log"
-            point, config = ("model-loaded", "autoquantize_placement"), (override, BF16_KV)
-            outcome, _ = run_trial(wd.root, "hook", *point, log, config=config, cores=2)
+            outcome, _ = run_trial(
+                wd.root, "hook", "model-loaded", "autoquantize_placement", log, config=config, cores=2
+            )
             assert outcome == "killed", f"{outcome}\n{log.read_text()[-3000:]}"
             assert check_no_partial_keyed_dir(wd.root / "results") == []
             kept = finished(wd.root)
-        run = wd.snakemake("--config", override, BF16_KV, check=False)
+        run = wd.snakemake("--config", *config, check=False)
         timings[override] = round(time.monotonic() - started)
         assert run.returncode == 0, f"--config {override}:\n{run.stderr[-3000:]}"
         if killed:  # the killed run's lock removed, nothing it had recorded as finished built again
             assert LOCK_REMOVED in run.stdout + run.stderr
             now = finished(wd.root)
             assert [rel for rel, mtime in kept.items() if now.get(rel) != mtime] == []
-        paths = json.loads(wd.mixquant("paths", "--json", "--config", override, BF16_KV).stdout)
+        paths = json.loads(wd.mixquant("paths", "--json", "--config", *config).stdout)
         assert paths["release"]["done"], override
         if "modelopt_autoquantize" in override:  # ModelOpt's own placement was computed and measured
             aq = [
@@ -86,8 +88,8 @@ def test_each_docs_experiment_runs_to_a_release_and_verify_says_not_comparable(
             ]
             assert len(aq) >= 2 and all(row["done"] for row in aq), override
 
-        verify = wd.mixquant("verify", "--config", override, BF16_KV, check=False)
-        strict = wd.mixquant("verify", "--strict", "--config", override, BF16_KV, check=False)
+        verify = wd.mixquant("verify", "--config", *config, check=False)
+        strict = wd.mixquant("verify", "--strict", "--config", *config, check=False)
         assert verify.returncode == 0, f"--config {override}:\n{verify.stdout}{verify.stderr}"
         lines = verify.stdout.splitlines()
         section = override.split("=", 1)[0]
