@@ -13,6 +13,7 @@ if __name__ == "__main__":  # run by Snakemake (a test imports the functions bel
     # own sys.path, which it appends to a script's, must not supply another copy
     sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 
+from mixquant.heap import freeze_imports, tune_for_job
 from mixquant.interrupt import interrupt_to_log
 from mixquant.keys.stages import stage_spec
 from mixquant.rulelog import rule_logging
@@ -39,7 +40,9 @@ def stage_runner(rule: str) -> Callable[..., Any]:
 
 if __name__ == "__main__":
     interrupt_to_log(snakemake.log[0])  # a Ctrl-C's traceback to the log, also while the runner is imported
+    tune_for_job()  # fewer collections while torch & co. are imported (mixquant.heap)
     run = stage_runner(snakemake.rule)
+    freeze_imports()
     with rule_logging(snakemake.log[0], snakemake.params.stage, snakemake.resources):
         inputs = dict(snakemake.input.items())
         run(

@@ -4,7 +4,6 @@ reproduced (see :mod:`mixquant.kld.engines` for what it reproduces and what it r
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from mixquant.formats.facts import FP8_E4M3_MAX
+from mixquant.heap import collect
 from mixquant.kld.checkpoints import describe_checkpoint, read_tensors, tensor_files
 from mixquant.kld.settings import METHOD_HF, EngineError, EngineSettings, prompt_ids
 from mixquant.model.attention import attention_kv_hook
@@ -258,7 +258,7 @@ class HfEngine:
         if self.model is not None:
             self.stream.close()
         self.model = None
-        gc.collect()
+        collect()  # the model's reference cycles (mixquant.heap)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
