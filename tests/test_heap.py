@@ -56,5 +56,5 @@ print(json.dumps({"threshold": gc.get_threshold(), "after_imports": after_import
     got = json.loads(out)
     assert tuple(got["threshold"]) == JOB_THRESHOLDS
     assert got["after_imports"] > 1000  # the interpreter's and the imports' objects
-    assert got["after_collect"] >= got["after_imports"]
+    assert got["after_collect"] > got["after_imports"]  # the class and the weakref made since, frozen
     assert got["model_freed"] is True  # collected before the freeze, not frozen with the survivors
