@@ -124,3 +124,13 @@ def laguna(laguna_cfg):
 
     config = json.loads((LAGUNA_ROOT / "data/models/laguna-s-2.1/config.json").read_text("utf-8"))
     return geometry_from_hf_config(config, laguna_cfg.model.moe_layers)
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, transformers, ModelOpt, the test modules): the collector
+    then stops rescanning those objects in every full collection the tests trigger (mixquant.heap does the
+    same for a job process)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
