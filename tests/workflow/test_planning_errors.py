@@ -238,42 +238,50 @@ def test_a_run_in_a_busy_workdir_stops_with_the_holders_line_only(workdir):
 
 @pytest.mark.slow
 def test_ctrl_c_ends_with_one_line_and_the_tracebacks_in_the_logs(workdir):
-    """A Ctrl-C (SIGINT to the run's whole process group, as a terminal sends it) while jobs run: after it
-    the console holds one line, no traceback and no 'failed' stage; the jobs' tracebacks are in their logs
-    and Snakemake's account in its log; a rerun plans the rest, nothing locked."""
+    """A Ctrl-C (SIGINT to the run's whole process group, as a terminal sends it) while a job runs: after
+    it the console holds one line, no traceback and no 'failed' stage; the job's traceback is in its log
+    and Snakemake's account in its log; a rerun plans the rest, nothing locked.
+
+    The job is caught mid-stage at a fault point (mixquant.faults: sample_calibration's files written, not
+    yet published), where it stops itself; the SIGINT goes to the whole group and the job is then let go,
+    so that the signal always finds it computing (a timed wait could find it already done)."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    from mixquant.faults import MARK_ENV, POINT_ENV
+
     console = workdir.root / "console.txt"
+    mark = workdir.root / "fault.mark"
+    env = os.environ | {POINT_ENV: "files-written@sample_calibration", MARK_ENV: str(mark)}
     with open(console, "w") as out:
         run = subprocess.Popen(
-            # one job at a time: a job still starting its interpreter (before its script can send a
-            # KeyboardInterrupt to its log) would print Python's own traceback
+            # one job at a time: only the stopped job is running when the signal goes out
             [sys.executable, "-m", "snakemake", "--cores", "1"],
             cwd=workdir.root,
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal's foreground job
         )
         try:
             deadline = time.monotonic() + 300
-            running = workdir.root / "results" / "logs" / "sample_calibration"  # the job has started
-            while not (running.is_dir() and any(running.iterdir())):
+            while not mark.is_file():
                 assert run.poll() is None and time.monotonic() < deadline, console.read_text()[-3000:]
                 time.sleep(0.1)
-            time.sleep(1)  # the job is importing or computing (its log is open: past its interpreter's start)
+            job = int(mark.read_text().split()[0])
             before = len(console.read_text().splitlines())
             os.killpg(run.pid, signal.SIGINT)
+            os.kill(job, signal.SIGCONT)  # the pending SIGINT reaches it as it goes on with its stage
             assert run.wait(timeout=300) != 0
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
     lines = console.read_text().splitlines()
     after = lines[before:]
-    assert len(after) <= 6, after  # a job that ended as the signal went out (its 3 lines), and ours
+    assert len(after) == 1, after  # ours, nothing of Snakemake's
     assert lines[-1].startswith("mixquant: interrupted; rerun the same command to resume"), lines[-5:]
     text = "\n".join(lines)
     for noise in ("Traceback", "KeyboardInterrupt", "Error in rule", "failed", "--unlock"):
@@ -283,7 +291,7 @@ def test_ctrl_c_ends_with_one_line_and_the_tracebacks_in_the_logs(workdir):
         for log in (workdir.root / "results" / "logs").glob("*/*.log")
         if "KeyboardInterrupt" in log.read_text()
     ]
-    assert interrupted, "no job's log holds its traceback"
+    assert interrupted == ["sample_calibration"], "the stopped job's log holds its traceback"
     (snakemake_log,) = (workdir.root / ".snakemake" / "log").glob("*.snakemake.log")
     assert all(f"Error in rule {stage}" in snakemake_log.read_text() for stage in interrupted)
     assert str(snakemake_log.name) in lines[-1]
